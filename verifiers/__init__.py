@@ -1,0 +1,1 @@
+"""Verifiers that score, stop, prune or escalate generations (arrive with the verifiers issue)."""
