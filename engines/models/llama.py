@@ -1,0 +1,103 @@
+"""The Llama decoder (SmolLM2 and friends): RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+Tensors are flat over tokens, (num_tokens, ...), so one forward can later carry many sequences. The
+attention step itself lives in `engines.attention`, behind a backend, so paged and Triton variants can
+replace it without touching the model.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engines.attention import AttentionBackend, AttentionMetadata
+from engines.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
+from engines.linear import Linear
+from engines.model_config import ModelConfig
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        # q, k and v fused into one matmul: the weights are read once per step.
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        backend: AttentionBackend,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        n = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        cos, sin = rope
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = backend.forward(self.layer_idx, q, k, v, meta)
+        return self.o_proj(out.reshape(n, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = SelfAttention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        backend: AttentionBackend,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, backend, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        backend: AttentionBackend,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Final hidden states, (num_tokens, hidden); `compute_logits` turns the rows you need into logits."""
+        hidden = self.embed_tokens(input_ids)
+        rope = self.rope(positions)
+        for layer in self.layers:
+            hidden = layer(hidden, rope, backend, meta)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def prepare(self) -> None:
+        """Once the weights are in: build the RoPE tables and let every linear layer pick its kernel."""
+        self.rope.build(self.embed_tokens.weight.dtype)
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.prepare(shared=module is self.lm_head and self.config.tie_word_embeddings)

@@ -1,0 +1,132 @@
+"""Our decoder against HF transformers' own implementation on the same weights (fp32)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engines.attention import AttentionMetadata, TorchAttention
+from engines.kv_cache import SequenceKVCache
+from engines.model_config import ModelConfig, UnsupportedModelError
+from engines.model_loader import load_model
+from engines.models.llama import LlamaForCausalLM
+
+
+def tiny_hf_model(arch: str, tmp_path: Path, **overrides: object) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]
+    cfg = dict(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_theta=10000.0,
+    )
+    cfg.update(overrides)
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**cfg)).eval()
+    model.save_pretrained(tmp_path)
+    return tmp_path
+
+
+def run_in_pieces(model: LlamaForCausalLM, ids: torch.Tensor, cuts: list[int]) -> torch.Tensor:
+    """Logits for every position, computed as a prefill, then extends, then single-token decodes."""
+    cfg = model.config
+    cache = SequenceKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, len(ids), torch.float32)
+    backend, out, start = TorchAttention(), [], 0
+    for end in [*cuts, *range(cuts[-1] + 1, len(ids) + 1)]:
+        meta = AttentionMetadata.for_sequence(cache, start, end - start)
+        hidden = model(ids[start:end], torch.arange(start, end), backend, meta)
+        out.append(model.compute_logits(hidden))
+        start = end
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize(
+    ("arch", "overrides"),
+    [
+        ("llama", {"tie_word_embeddings": True}),
+        ("llama", {"tie_word_embeddings": False, "num_key_value_heads": 4}),
+        ("qwen2", {"tie_word_embeddings": False}),
+        ("qwen2", {"tie_word_embeddings": True, "num_key_value_heads": 1}),
+    ],
+)
+def test_tiny_models_match_transformers(arch: str, overrides: dict, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_hf_model(arch, tmp_path, **overrides)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ours = load_model(path, "fp32")
+    ids = torch.randint(0, 320, (40,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(ids[None]).logits[0]
+    got = run_in_pieces(ours, ids, cuts=[17, 29])
+    assert got.shape == expected.shape
+    assert (got - expected).abs().max().item() < 1e-4
+
+
+def test_bf16_load_and_tied_weights(tmp_path: Path) -> None:
+    ours = load_model(tiny_hf_model("llama", tmp_path, tie_word_embeddings=True), "bf16")
+    assert ours.embed_tokens.weight.dtype == torch.bfloat16
+    assert ours.lm_head.weight is ours.embed_tokens.weight
+
+
+def test_missing_and_unsupported_weights_fail_clearly(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    path = tiny_hf_model("llama", tmp_path)
+    weights = load_file(path / "model.safetensors")
+    weights.pop("model.layers.1.self_attn.k_proj.weight")
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UnsupportedModelError, match=r"layers\.1\.self_attn\.qkv_proj"):
+        load_model(path, "fp32")
+
+
+def test_unsupported_configs_are_refused() -> None:
+    base = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 10,
+        "hidden_size": 8,
+        "intermediate_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+    }
+    assert ModelConfig.from_dict(base).head_dim == 4
+    with pytest.raises(UnsupportedModelError, match="not supported"):
+        ModelConfig.from_dict({**base, "architectures": ["GPT2LMHeadModel"]})
+    with pytest.raises(UnsupportedModelError, match="rope scaling"):
+        ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(UnsupportedModelError, match="sliding-window"):
+        ModelConfig.from_dict({**base, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True})
+
+
+def _compare_with_transformers(model_dir: Path, prompt: str) -> float:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ids = torch.tensor(tok(prompt)["input_ids"])
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = hf(ids[None]).logits[0]
+    del hf
+    ours = load_model(model_dir, "fp32")
+    with torch.inference_mode():
+        got = run_in_pieces(ours, ids, cuts=[len(ids) - 6, len(ids) - 3])
+    return (got - expected).abs().max().item()
+
+
+PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n    if n < 2:\n        return n\n'
+
+
+def test_smollm2_logits_match_transformers(smollm2_dir: Path) -> None:
+    assert _compare_with_transformers(smollm2_dir, PROMPT) < 1e-3
+
+
+def test_qwen_coder_05b_logits_match_transformers(qwen05_dir: Path) -> None:
+    assert _compare_with_transformers(qwen05_dir, PROMPT) < 1e-3
