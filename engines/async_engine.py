@@ -1,0 +1,163 @@
+"""Runs an `Engine`'s step loop on its own thread and streams outputs to asyncio callers.
+
+The event loop never waits on the model: callers put requests and aborts into an inbox, the engine
+thread drains it between steps, and each step's outputs are handed back with `call_soon_threadsafe`.
+Torch releases the GIL inside its kernels, so HTTP keeps flowing while a step runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+
+import torch
+
+from engines.engine import Engine
+from engines.request import EngineRequest, FinishReason, RequestOutput
+from engines.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput]
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, *, name: str = "engine", threads: int | None = None) -> None:
+        self.engine = engine
+        self.name = name
+        self.threads = threads
+        self._cond = threading.Condition()
+        self._inbox: list[EngineRequest | str] = []  # a request to add, or the id of one to abort
+        self._streams: dict[str, _Stream] = {}
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=f"engine-{self.name}", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs; leaving early (break, cancel, error) aborts it."""
+        async with aclosing(self.generate_many([request])) as outputs:
+            async for out in outputs:
+                yield out
+
+    async def generate_many(self, requests: list[EngineRequest]) -> AsyncIterator[RequestOutput]:
+        """Stream the outputs of several requests as they come, until all have finished.
+
+        One queue serves them all, so n choices need no task per choice; leaving early aborts every
+        request that has not finished.
+        """
+        for request in requests:
+            self.engine.check(request.prompt_token_ids, request.params.max_tokens)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        pending = {r.request_id for r in requests}
+        with self._cond:
+            if clash := pending & self._streams.keys():
+                raise ValueError(f"request ids already streaming: {sorted(clash)}")
+            for request in requests:
+                self._streams[request.request_id] = stream
+                self._inbox.append(request)
+            self._cond.notify()
+        try:
+            while pending:
+                out = await stream.queue.get()
+                if out.finished:
+                    pending.discard(out.request_id)
+                yield out
+        finally:
+            for request_id in pending:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        with self._cond:
+            self._inbox.append(request_id)
+            self._cond.notify()
+
+    def _run(self) -> None:
+        if self.threads:
+            torch.set_num_threads(self.threads)  # per thread with OpenMP: this one runs the model
+        while True:
+            with self._cond:
+                while not (self._inbox or self._stopping or self.engine.has_unfinished()):
+                    self._cond.wait()
+                if self._stopping:
+                    break
+                inbox, self._inbox = self._inbox, []
+            for item in inbox:
+                self._apply(item)
+            if self.engine.has_unfinished():
+                try:
+                    outputs = self.engine.step()
+                except Exception as exc:  # a bug or OOM must fail the requests, not kill the thread
+                    log.exception("engine %s step failed", self.name)
+                    outputs = self._fail_all(f"engine step failed: {exc}")
+                for out in outputs:
+                    self._deliver(out)
+        for rid in list(self._streams):
+            self._apply(rid)
+
+    def _apply(self, item: EngineRequest | str) -> None:
+        if isinstance(item, str):
+            out = self.engine.abort(item)
+            if out is not None:
+                self._deliver(out)
+            else:  # not running: finished already, or rejected; drop any listener left
+                self._streams.pop(item, None)
+            return
+        try:
+            self.engine.add_request(item)
+        except Exception as exc:
+            self._deliver(_error_output(item, str(exc)))
+
+    def _fail_all(self, message: str) -> list[RequestOutput]:
+        outs = []
+        for rid in list(self._streams):
+            out = self.engine.abort(rid)
+            if out is not None:
+                outs.append(
+                    RequestOutput(
+                        rid, [], out.text, out.prompt_tokens, out.completion_tokens, FinishReason.ERROR, message
+                    )
+                )
+        return outs
+
+    def _deliver(self, out: RequestOutput) -> None:
+        with self._cond:
+            stream = self._streams.get(out.request_id)
+            if stream is not None and out.finished:
+                del self._streams[out.request_id]
+        if stream is not None:
+            try:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+            except RuntimeError:  # the caller's event loop is gone; nobody is listening
+                log.debug("dropping output for %s: event loop closed", out.request_id)
+
+
+def _error_output(request: EngineRequest, message: str) -> RequestOutput:
+    return RequestOutput(request.request_id, [], "", len(request.prompt_token_ids), 0, FinishReason.ERROR, message)

@@ -1,0 +1,39 @@
+"""What crosses the boundary between the gateway and an engine: requests in, outputs out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from engines.sampling import SamplingParams
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"  # end-of-turn token, stop token or stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"  # the caller went away
+    ERROR = "error"  # the engine failed while serving it
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one engine step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text: str  # new text, safe to show (never half a character or half a stop string)
+    prompt_tokens: int
+    completion_tokens: int  # generated so far, including a final end-of-turn token
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

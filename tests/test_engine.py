@@ -1,0 +1,185 @@
+"""The engine against plain HF greedy decoding, plus its request lifecycle (stop, length, abort)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from engines.async_engine import AsyncEngine
+from engines.engine import Engine, RequestRejected
+from engines.request import EngineRequest, FinishReason, RequestOutput
+from engines.sampling import SamplingParams
+
+QUESTIONS = ["What is the capital of France?", "Write a haiku about autumn leaves.", "Explain recursion briefly."]
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_dir: Path) -> Engine:
+    return Engine.from_dir(smollm2_dir, dtype="fp32")
+
+
+def run(engine: Engine, requests: list[EngineRequest]) -> dict[str, list[RequestOutput]]:
+    for r in requests:
+        engine.add_request(r)
+    outs: dict[str, list[RequestOutput]] = {r.request_id: [] for r in requests}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs[out.request_id].append(out)
+    return outs
+
+
+def tokens(outs: list[RequestOutput]) -> list[int]:
+    return [t for o in outs for t in o.new_token_ids]
+
+
+def chat(engine: Engine, question: str) -> list[int]:
+    return engine.tokenizer.encode_chat([{"role": "user", "content": question}])
+
+
+def test_greedy_equals_transformers_generate(engine: Engine, smollm2_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    for i, q in enumerate(QUESTIONS):
+        prompt = chat(engine, q)
+        expected = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=24,
+            do_sample=False,
+            eos_token_id=sorted(engine.tokenizer.eos_token_ids),
+        )[0, len(prompt) :].tolist()
+        outs = run(engine, [EngineRequest(f"r{i}", prompt, SamplingParams(max_tokens=24, temperature=0.0))])
+        assert tokens(outs[f"r{i}"]) == expected
+
+
+def test_concurrent_requests_equal_one_at_a_time(engine: Engine) -> None:
+    params = SamplingParams(max_tokens=20, temperature=0.0)
+    alone = {q: tokens(run(engine, [EngineRequest("a", chat(engine, q), params)])["a"]) for q in QUESTIONS}
+    together = run(engine, [EngineRequest(q, chat(engine, q), params) for q in QUESTIONS])
+    assert {q: tokens(together[q]) for q in QUESTIONS} == alone
+    assert not engine.has_unfinished()
+
+
+def test_streamed_text_is_the_decoded_output(engine: Engine) -> None:
+    outs = run(engine, [EngineRequest("r", chat(engine, QUESTIONS[1]), SamplingParams(max_tokens=40, temperature=0))])[
+        "r"
+    ]
+    assert "".join(o.text for o in outs) == engine.tokenizer.decode(tokens(outs))
+    assert [o.completion_tokens for o in outs] == list(range(1, len(outs) + 1))
+
+
+def test_finish_reasons(engine: Engine) -> None:
+    prompt = chat(engine, QUESTIONS[0])
+    out = run(engine, [EngineRequest("eos", prompt, SamplingParams(max_tokens=50, temperature=0))])["eos"]
+    assert out[-1].finish_reason is FinishReason.STOP and out[-1].new_token_ids[0] in engine.tokenizer.eos_token_ids
+    out = run(engine, [EngineRequest("len", prompt, SamplingParams(max_tokens=3, temperature=0))])["len"]
+    assert out[-1].finish_reason is FinishReason.LENGTH and out[-1].completion_tokens == 3
+    out = run(engine, [EngineRequest("ign", prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))])[
+        "ign"
+    ]
+    assert out[-1].finish_reason is FinishReason.LENGTH and out[-1].completion_tokens == 12
+    paris = engine.tokenizer.encode(" Paris", add_special_tokens=False)[0]
+    out = run(
+        engine, [EngineRequest("tok", prompt, SamplingParams(max_tokens=50, temperature=0, stop_token_ids=(paris,)))]
+    )["tok"]
+    assert out[-1].finish_reason is FinishReason.STOP and tokens(out)[-1] == paris
+    assert "Paris" not in "".join(o.text for o in out)
+    out = run(engine, [EngineRequest("str", prompt, SamplingParams(max_tokens=50, temperature=0, stop=("of F",)))])[
+        "str"
+    ]
+    assert out[-1].finish_reason is FinishReason.STOP and "".join(o.text for o in out) == "The capital "
+
+
+def test_context_limit(smollm2_dir: Path) -> None:
+    small = Engine.from_dir(smollm2_dir, dtype="bf16", max_model_len=48)
+    prompt = chat(small, QUESTIONS[2])  # 37 tokens
+    with pytest.raises(RequestRejected, match="maximum context length is 48") as info:
+        small.add_request(EngineRequest("x", prompt, SamplingParams(max_tokens=20)))
+    assert info.value.code == "context_length_exceeded"
+    out = run(small, [EngineRequest("fits", prompt, SamplingParams(max_tokens=48 - len(prompt), ignore_eos=True))])
+    assert out["fits"][-1].finish_reason is FinishReason.LENGTH
+    assert out["fits"][-1].completion_tokens == 48 - len(prompt)
+    with pytest.raises(RequestRejected, match="empty"):
+        small.check([], 1)
+    with pytest.raises(RequestRejected, match=r"\[0, 49152\)"):
+        small.check([1, 49152], 1)
+
+
+def test_abort_frees_the_request(engine: Engine) -> None:
+    engine.add_request(EngineRequest("gone", chat(engine, QUESTIONS[1]), SamplingParams(max_tokens=50)))
+    engine.step()
+    out = engine.abort("gone")
+    assert out is not None and out.finish_reason is FinishReason.ABORT and out.completion_tokens == 1
+    assert not engine.has_unfinished()
+    assert engine.abort("gone") is None
+
+
+def test_seeded_sampling_is_reproducible(engine: Engine) -> None:
+    prompt = chat(engine, QUESTIONS[1])
+    params = SamplingParams(max_tokens=16, temperature=0.9, seed=1234)
+    first = tokens(run(engine, [EngineRequest("a", prompt, params)])["a"])
+    assert first == tokens(run(engine, [EngineRequest("b", prompt, params)])["b"])
+
+
+# --- the async wrapper -------------------------------------------------------------------------------
+
+
+def test_async_engine_streams_and_aborts_when_the_caller_leaves(engine: Engine) -> None:
+    async def main() -> None:
+        runner = AsyncEngine(engine, name="t")
+        runner.start()
+        try:
+            prompt = chat(engine, QUESTIONS[1])
+            outs = [
+                o
+                async for o in runner.generate(
+                    EngineRequest("full", prompt, SamplingParams(max_tokens=8, temperature=0))
+                )
+            ]
+            assert outs[-1].finished and outs[-1].completion_tokens == 8
+            async for out in runner.generate(EngineRequest("left", prompt, SamplingParams(max_tokens=500))):
+                if out.completion_tokens >= 2:
+                    break  # the generator is closed here: the request must be aborted
+            for _ in range(200):
+                if not engine.has_unfinished():
+                    break
+                await asyncio.sleep(0.01)
+            assert not engine.has_unfinished()
+            many = [EngineRequest(f"m{i}", prompt, SamplingParams(max_tokens=4 + i, temperature=0)) for i in range(3)]
+            finals = {o.request_id: o for o in [o async for o in runner.generate_many(many)] if o.finished}
+            assert {rid: o.completion_tokens for rid, o in finals.items()} == {"m0": 4, "m1": 5, "m2": 6}
+        finally:
+            runner.shutdown()
+
+    asyncio.run(main())
+
+
+def test_async_engine_survives_a_failing_step(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_step = engine.step
+    calls = {"n": 0}
+
+    def flaky_step() -> list[RequestOutput]:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("boom")
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", flaky_step)
+
+    async def main() -> None:
+        runner = AsyncEngine(engine, name="t")
+        runner.start()
+        try:
+            prompt = chat(engine, QUESTIONS[0])
+            outs = [o async for o in runner.generate(EngineRequest("x", prompt, SamplingParams(max_tokens=30)))]
+            assert outs[-1].finish_reason is FinishReason.ERROR and "boom" in (outs[-1].error or "")
+            again = [o async for o in runner.generate(EngineRequest("y", prompt, SamplingParams(max_tokens=3)))]
+            assert again[-1].finish_reason is FinishReason.LENGTH
+            assert runner.alive
+        finally:
+            runner.shutdown()
+
+    asyncio.run(main())
