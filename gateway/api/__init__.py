@@ -1,0 +1,1 @@
+"""HTTP routers, one per area: `openai` (the product API) and `health`."""

@@ -1,0 +1,156 @@
+"""The OpenAI-compatible API: chat completions, completions and models.
+
+Routes only translate between HTTP and the pipeline: validation lives in the schemas and the pipeline,
+generation in the engines.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+
+from fastapi import APIRouter, Request, Response
+
+from gateway.auth import CurrentPrincipal
+from gateway.errors import APIError
+from gateway.pipeline import ChoiceDelta, Generation, Pipeline
+from gateway.schemas import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatDelta,
+    ChatMessageOut,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    chunk_json,
+)
+from gateway.streaming import ClientDisconnected, EventStreamResponse, sse, until_disconnect
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+
+
+def _pipeline(request: Request) -> Pipeline:
+    return request.app.state.pipeline
+
+
+@router.post("/chat/completions", response_model=ChatCompletion)
+async def chat_completions(body: ChatCompletionRequest, request: Request, principal: CurrentPrincipal) -> Response:
+    gen = await _pipeline(request).start_chat(principal, body)
+    headers = {"x-request-id": gen.request_id}
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    if body.stream:
+        return _with_headers(EventStreamResponse(_chat_events(gen, include_usage)), headers)
+    try:
+        texts, reasons = await until_disconnect(request, _collect(gen))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    choices = [
+        ChatChoice(index=i, message=ChatMessageOut(content=t), finish_reason=r)
+        for i, (t, r) in enumerate(zip(texts, reasons, strict=True))
+    ]
+    result = ChatCompletion(id=gen.request_id, created=gen.created, model=gen.model, choices=choices, usage=gen.usage)
+    return Response(result.model_dump_json(), media_type="application/json", headers=headers)
+
+
+@router.post("/completions", response_model=Completion)
+async def completions(body: CompletionRequest, request: Request, principal: CurrentPrincipal) -> Response:
+    gen = await _pipeline(request).start_completion(principal, body)
+    headers = {"x-request-id": gen.request_id}
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    if body.stream:
+        return _with_headers(EventStreamResponse(_completion_events(gen, include_usage)), headers)
+    try:
+        texts, reasons = await until_disconnect(request, _collect(gen))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    choices = [
+        CompletionChoice(index=i, text=t, finish_reason=r) for i, (t, r) in enumerate(zip(texts, reasons, strict=True))
+    ]
+    result = Completion(id=gen.request_id, created=gen.created, model=gen.model, choices=choices, usage=gen.usage)
+    return Response(result.model_dump_json(), media_type="application/json", headers=headers)
+
+
+@router.get("/models", response_model=ModelList)
+async def list_models(request: Request, _: CurrentPrincipal) -> ModelList:
+    created = request.app.state.started
+    return ModelList(data=[ModelCard(id=name, created=created) for name in _pipeline(request).engines])
+
+
+@router.get("/models/{model}", response_model=ModelCard)
+async def get_model(model: str, request: Request, _: CurrentPrincipal) -> ModelCard:
+    _pipeline(request).engine(model)  # 404 in OpenAI's shape when unknown
+    return ModelCard(id=model, created=request.app.state.started)
+
+
+async def _collect(gen: Generation) -> tuple[list[str], list[str | None]]:
+    texts = [""] * gen.num_choices
+    reasons: list[str | None] = [None] * gen.num_choices
+    async with aclosing(gen.events()) as events:
+        async for delta in events:
+            texts[delta.index] += delta.text
+            reasons[delta.index] = delta.finish_reason or reasons[delta.index]
+    return texts, reasons
+
+
+async def _chat_events(gen: Generation, include_usage: bool) -> AsyncIterator[str]:
+    def chunk(choices: list[ChatChunkChoice], usage: bool = False) -> str:
+        c = ChatCompletionChunk(
+            id=gen.request_id, created=gen.created, model=gen.model, choices=choices, usage=gen.usage if usage else None
+        )
+        return sse(chunk_json(c, include_usage))
+
+    for i in range(gen.num_choices):
+        yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+
+    def delta_chunks(d: ChoiceDelta) -> list[str]:
+        out = []
+        if d.text:
+            out.append(chunk([ChatChunkChoice(index=d.index, delta=ChatDelta(content=d.text))]))
+        if d.finish_reason:
+            out.append(chunk([ChatChunkChoice(index=d.index, delta=ChatDelta(), finish_reason=d.finish_reason)]))
+        return out
+
+    async for payload in _stream(gen, delta_chunks):
+        yield payload
+    if include_usage:
+        yield chunk([], usage=True)
+    yield sse("[DONE]")
+
+
+async def _completion_events(gen: Generation, include_usage: bool) -> AsyncIterator[str]:
+    def chunk(choices: list[CompletionChoice], usage: bool = False) -> str:
+        c = Completion(
+            id=gen.request_id, created=gen.created, model=gen.model, choices=choices, usage=gen.usage if usage else None
+        )
+        return sse(chunk_json(c, include_usage))
+
+    def delta_chunks(d: ChoiceDelta) -> list[str]:
+        return [chunk([CompletionChoice(index=d.index, text=d.text, finish_reason=d.finish_reason)])]
+
+    async for payload in _stream(gen, delta_chunks):
+        yield payload
+    if include_usage:
+        yield chunk([], usage=True)
+    yield sse("[DONE]")
+
+
+async def _stream(gen: Generation, render: Callable[[ChoiceDelta], list[str]]) -> AsyncIterator[str]:
+    """Rendered deltas; an error after the stream started becomes an OpenAI error event."""
+    try:
+        async with aclosing(gen.events()) as events:
+            async for delta in events:
+                for payload in render(delta):
+                    yield payload
+    except APIError as exc:
+        yield sse(json.dumps(exc.body()))
+
+
+def _with_headers(response: Response, headers: dict[str, str]) -> Response:
+    response.headers.update(headers)
+    return response

@@ -1,0 +1,35 @@
+"""Bearer-key authentication as a FastAPI dependency: every `/v1` route gets a `Principal`."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import anyio
+from fastapi import Depends, Header, Request
+
+from gateway.errors import APIError
+from gateway.tenants import Principal, authenticate
+
+
+async def require_principal(request: Request, authorization: Annotated[str | None, Header()] = None) -> Principal:
+    if not authorization:
+        raise APIError(
+            401,
+            "You didn't provide an API key. Send it in the Authorization header as 'Bearer YOUR_KEY'.",
+            code="missing_api_key",
+        )
+    scheme, _, key = authorization.partition(" ")
+    key = key.strip()
+    if scheme.lower() != "bearer" or not key:
+        raise APIError(401, "The Authorization header must be 'Bearer YOUR_KEY'.", code="invalid_api_key")
+    principal = await anyio.to_thread.run_sync(authenticate, request.app.state.db, key)
+    if principal is None:
+        raise APIError(401, f"Incorrect API key provided: {_mask(key)}.", code="invalid_api_key")
+    return principal
+
+
+def _mask(key: str) -> str:
+    return key[:6] + "*" * 8 + key[-4:] if len(key) > 12 else "*" * len(key)
+
+
+CurrentPrincipal = Annotated[Principal, Depends(require_principal)]

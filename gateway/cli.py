@@ -1,0 +1,187 @@
+"""The `switchboard` command: serve, models, tenants, keys and the database.
+
+Heavy imports (torch, transformers) happen inside the commands that need them, so `switchboard
+tenant create` answers at once and `serve` can set OMP_NUM_THREADS before torch starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from gateway.settings import Settings
+
+if TYPE_CHECKING:
+    from gateway.db.database import Database
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.config:
+        os.environ["SWITCHBOARD_CONFIG"] = args.config
+    handler: Callable[[argparse.Namespace], int] | None = getattr(args, "handler", None)
+    if handler is None:
+        parser.print_help()
+        return 2
+    try:
+        return handler(args)
+    except KeyboardInterrupt:
+        return 130
+    except _Failure as exc:
+        print(f"switchboard: {exc}", file=sys.stderr)
+        return 1
+
+
+class _Failure(Exception):
+    pass
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="switchboard", description="An LLM inference gateway that makes tokens cheap.")
+    p.add_argument("--config", help="TOML settings file (default: $SWITCHBOARD_CONFIG or ./switchboard.toml)")
+    sub = p.add_subparsers(metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="run the gateway (fetches the tiers' models on first start)")
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
+    serve.set_defaults(handler=_serve)
+
+    models = sub.add_parser("models", help="registry models").add_subparsers(metavar="ACTION")
+    fetch = models.add_parser("fetch", help="download, verify and convert models (default: the tiers' models)")
+    fetch.add_argument("names", nargs="*", metavar="NAME")
+    fetch.set_defaults(handler=_models_fetch)
+    models.add_parser("list", help="models the registry ships and whether they are fetched").set_defaults(
+        handler=_models_list
+    )
+
+    tenant = sub.add_parser("tenant", help="tenants").add_subparsers(metavar="ACTION")
+    create = tenant.add_parser("create", help="create a tenant and print its first key")
+    create.add_argument("name")
+    create.set_defaults(handler=_tenant_create)
+
+    key = sub.add_parser("key", help="API keys").add_subparsers(metavar="ACTION")
+    kc = key.add_parser("create", help="issue another key for a tenant and print it")
+    kc.add_argument("tenant")
+    kc.add_argument("--role", default="app", choices=("app", "admin", "finance"))
+    kc.set_defaults(handler=_key_create)
+    kr = key.add_parser("revoke", help="revoke a key by its prefix")
+    kr.add_argument("prefix")
+    kr.set_defaults(handler=_key_revoke)
+
+    db = sub.add_parser("db", help="database").add_subparsers(metavar="ACTION")
+    db.add_parser("upgrade", help="bring the schema up to date").set_defaults(handler=_db_upgrade)
+    return p
+
+
+def _settings() -> Settings:
+    from pydantic import ValidationError
+
+    try:
+        return Settings()
+    except ValidationError as exc:
+        raise _Failure(f"invalid settings:\n{exc}") from None
+
+
+def _database() -> Database:
+    from gateway.db.database import Database
+
+    db = Database(_settings().database)
+    db.upgrade()
+    return db
+
+
+def _serve(args: argparse.Namespace) -> int:
+    settings = _settings()
+    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    if overrides:
+        settings = settings.model_copy(update=overrides)
+    # OpenMP reads this once, when torch starts: set it before the first torch import.
+    os.environ.setdefault("OMP_NUM_THREADS", str(settings.max_threads))
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    from engines.fetch import FetchError
+    from gateway.app import create_app
+    from gateway.tiers import ensure_models
+
+    try:
+        ensure_models(settings)  # before the server starts, so progress bars show on a plain terminal
+    except FetchError as exc:
+        raise _Failure(str(exc)) from None
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level)
+    return 0
+
+
+def _models_fetch(args: argparse.Namespace) -> int:
+    from engines.fetch import FetchError, fetch_model
+
+    settings = _settings()
+    names = args.names or sorted({t.model for t in settings.tiers.values() if t.is_registry_model})
+    for name in names:
+        try:
+            path = fetch_model(name, settings.home_dir)
+        except FetchError as exc:
+            raise _Failure(str(exc)) from None
+        print(path)
+    return 0
+
+
+def _models_list(_: argparse.Namespace) -> int:
+    from engines.fetch import is_fetched
+    from engines.registry import REGISTRY
+
+    home = _settings().home_dir
+    for name, entry in REGISTRY.items():
+        state = "fetched" if is_fetched(home, name) else "not fetched"
+        print(f"{name:32} {state:12} {entry.description}")
+    return 0
+
+
+def _tenant_create(args: argparse.Namespace) -> int:
+    from gateway.tenants import TenantError, create_tenant
+
+    try:
+        issued = create_tenant(_database(), args.name)
+    except TenantError as exc:
+        raise _Failure(str(exc)) from None
+    print(f"created tenant {issued.tenant}; its API key (shown once, store it now):", file=sys.stderr)
+    print(issued.key)
+    return 0
+
+
+def _key_create(args: argparse.Namespace) -> int:
+    from gateway.tenants import TenantError, create_key
+
+    try:
+        issued = create_key(_database(), args.tenant, args.role)
+    except TenantError as exc:
+        raise _Failure(str(exc)) from None
+    print(f"new {issued.role} key for {issued.tenant} (shown once, store it now):", file=sys.stderr)
+    print(issued.key)
+    return 0
+
+
+def _key_revoke(args: argparse.Namespace) -> int:
+    from gateway.tenants import TenantError, revoke_key
+
+    try:
+        revoke_key(_database(), args.prefix)
+    except TenantError as exc:
+        raise _Failure(str(exc)) from None
+    print(f"revoked {args.prefix}", file=sys.stderr)
+    return 0
+
+
+def _db_upgrade(_: argparse.Namespace) -> int:
+    db = _database()
+    print(f"database at revision {db.current_revision()}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""SQL storage: the schema (`models`) and connections plus migrations (`database`)."""

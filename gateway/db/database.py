@@ -1,0 +1,86 @@
+"""Connections (SQLAlchemy 2, synchronous) and schema migrations (Alembic) for one database URL.
+
+The gateway calls into it from worker threads (`anyio.to_thread`), never from the event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from alembic.config import Config
+from sqlalchemy import create_engine, event, text
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.engine.interfaces import DBAPIConnection
+from sqlalchemy.orm import Session, sessionmaker
+
+import migrations
+
+MIGRATIONS_DIR = Path(migrations.__file__).resolve().parent
+
+
+def normalize_url(url: str) -> str:
+    """`postgresql://` means psycopg 3 here (the driver we install), not psycopg2."""
+    parsed = make_url(url)
+    if parsed.drivername in ("postgresql", "postgres"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    return parsed.render_as_string(hide_password=False)
+
+
+class Database:
+    def __init__(self, url: str) -> None:
+        self.url = normalize_url(url)
+        parsed = make_url(self.url)
+        self.is_sqlite = parsed.get_backend_name() == "sqlite"
+        if self.is_sqlite and parsed.database and parsed.database != ":memory:":
+            Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        kwargs: dict = {"pool_pre_ping": True}
+        if self.is_sqlite:
+            kwargs["connect_args"] = {"check_same_thread": False, "timeout": 30}
+        self.engine: Engine = create_engine(self.url, **kwargs)
+        if self.is_sqlite:
+            event.listen(self.engine, "connect", _sqlite_pragmas)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+
+    @contextmanager
+    def session(self) -> Iterator[Session]:
+        with self._sessions() as session, session.begin():
+            yield session
+
+    def ping(self) -> None:
+        with self.engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+
+    def upgrade(self, revision: str = "head") -> None:
+        from alembic import command
+
+        command.upgrade(self._alembic_config(), revision)
+
+    def downgrade(self, revision: str = "base") -> None:
+        from alembic import command
+
+        command.downgrade(self._alembic_config(), revision)
+
+    def current_revision(self) -> str | None:
+        from alembic.runtime.migration import MigrationContext
+
+        with self.engine.connect() as conn:
+            return MigrationContext.configure(conn).get_current_revision()
+
+    def dispose(self) -> None:
+        self.engine.dispose()
+
+    def _alembic_config(self) -> Config:
+        cfg = Config()
+        cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+        cfg.attributes["engine"] = self.engine  # env.py uses it; no URL goes through ConfigParser
+        return cfg
+
+
+def _sqlite_pragmas(dbapi_conn: DBAPIConnection, _record: object) -> None:
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.execute("PRAGMA journal_mode=WAL")  # readers never block the usage writer
+    cur.execute("PRAGMA busy_timeout=30000")
+    cur.close()

@@ -1,0 +1,82 @@
+"""The one settings object: environment (`SWITCHBOARD_*`) over an optional TOML file over defaults.
+
+The TOML file is `$SWITCHBOARD_CONFIG` if set, else `./switchboard.toml` if present. Nested values
+from the environment use `__`, e.g. `SWITCHBOARD_TIERS__SMALL__DTYPE=fp32`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from engines.registry import REGISTRY
+
+DEFAULT_HOME = Path("~/.cache/switchboard")
+
+
+class TierSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field("smollm2-135m-instruct", description="registry model name or path to a HF directory")
+    dtype: Literal["bf16", "fp32"] = "bf16"
+    threads: int | None = Field(None, ge=1, description="torch threads for this tier; default: all CPUs")
+    max_model_len: int | None = Field(None, ge=16, description="context limit; default: the model's")
+
+    @property
+    def is_registry_model(self) -> bool:
+        return self.model in REGISTRY
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SWITCHBOARD_", env_nested_delimiter="__", extra="forbid")
+
+    home: Path = Field(DEFAULT_HOME, description="models, the embedded database and other state")
+    database_url: str | None = Field(None, description="SQLAlchemy URL; default: SQLite under home")
+    redis_url: str | None = None
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    tiers: dict[str, TierSettings] = Field(default_factory=lambda: {"small": TierSettings()})
+    max_request_bytes: int = Field(1 << 20, ge=1024, description="larger bodies get HTTP 413")
+    max_n: int = Field(8, ge=1, description="most choices one request may ask for")
+    default_max_tokens: int | None = Field(None, ge=1, description="when a request sets none; default: context left")
+    auto_fetch: bool = Field(True, description="fetch registry models the tiers need on start")
+    auto_migrate: bool = Field(True, description="bring the database schema up to date on start")
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        toml_file = os.environ.get("SWITCHBOARD_CONFIG", "switchboard.toml")
+        return init_settings, env_settings, TomlConfigSettingsSource(settings_cls, toml_file=toml_file)
+
+    @property
+    def home_dir(self) -> Path:
+        return self.home.expanduser()
+
+    @property
+    def database(self) -> str:
+        return self.database_url or f"sqlite:///{self.home_dir / 'switchboard.db'}"
+
+    def model_dir(self, tier: TierSettings) -> Path:
+        if tier.is_registry_model:
+            return self.home_dir / "models" / tier.model
+        return Path(tier.model).expanduser()
+
+    @property
+    def max_threads(self) -> int:
+        return max((t.threads or os.cpu_count() or 1) for t in self.tiers.values())

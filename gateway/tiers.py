@@ -1,0 +1,45 @@
+"""Turn the configured tiers into running engines: fetch registry models if needed, load, start."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from engines.async_engine import AsyncEngine
+from engines.engine import Engine
+from engines.fetch import FetchError, fetch_model, is_fetched
+from gateway.settings import Settings, TierSettings
+
+log = logging.getLogger(__name__)
+
+
+def ensure_models(settings: Settings, *, progress: bool = True) -> None:
+    """Fetch every registry model a tier names that is not on disk yet (or fail saying how to)."""
+    for name, tier in settings.tiers.items():
+        if not tier.is_registry_model or is_fetched(settings.home_dir, tier.model):
+            continue
+        if not settings.auto_fetch:
+            raise FetchError(f"tier {name!r} needs {tier.model}; run `switchboard models fetch {tier.model}`")
+        fetch_model(tier.model, settings.home_dir, progress=progress)
+
+
+def load_engines(settings: Settings) -> dict[str, AsyncEngine]:
+    """One engine per distinct (model, dtype, context); tiers naming the same model share it."""
+    ensure_models(settings)
+    loaded: dict[tuple, AsyncEngine] = {}
+    engines: dict[str, AsyncEngine] = {}
+    for name, tier in settings.tiers.items():
+        key = (str(settings.model_dir(tier)), tier.dtype, tier.max_model_len)
+        if key not in loaded:
+            loaded[key] = AsyncEngine(
+                _load(settings, name, tier), name=name, threads=tier.threads or settings.max_threads
+            )
+        engines[name] = loaded[key]
+    return engines
+
+
+def _load(settings: Settings, name: str, tier: TierSettings) -> Engine:
+    started = time.perf_counter()
+    engine = Engine.from_dir(settings.model_dir(tier), dtype=tier.dtype, max_model_len=tier.max_model_len)
+    log.info("tier %s: loaded %s (%s) in %.1f s", name, tier.model, tier.dtype, time.perf_counter() - started)
+    return engine
