@@ -1,0 +1,142 @@
+"""Shared fixtures: real models from the registry, real PostgreSQL, live servers.
+
+Models are fetched once into `$SWITCHBOARD_HOME` (default ~/.cache/switchboard) and reused by later
+runs. PostgreSQL is the local server, or a throwaway one (see tests/services.py); every test database
+is created fresh and dropped afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+import services
+from engines.async_engine import AsyncEngine
+from live import LiveServer, start_server
+
+# Tests build their settings explicitly; nothing from the developer's shell or a switchboard.toml leaks in.
+for _name in list(os.environ):
+    if _name.startswith("SWITCHBOARD_") and _name != "SWITCHBOARD_HOME" and not _name.startswith("SWITCHBOARD_TEST_"):
+        del os.environ[_name]
+os.environ["SWITCHBOARD_CONFIG"] = "/nonexistent/switchboard.toml"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+MODELS_HOME = Path(os.environ.get("SWITCHBOARD_HOME", "~/.cache/switchboard")).expanduser()
+
+
+def fetched(name: str) -> Path:
+    from engines.fetch import fetch_model
+
+    return fetch_model(name, MODELS_HOME)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    return fetched("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def qwen05_dir() -> Path:
+    return fetched("qwen2.5-coder-0.5b-instruct")
+
+
+@pytest.fixture(scope="session")
+def qwen15_dir() -> Path:
+    return fetched("qwen2.5-coder-1.5b-instruct")
+
+
+# --- databases -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[str]:
+    url = services.postgres_url()
+    yield url
+    services.stop_all()
+
+
+@pytest.fixture
+def postgres_url(postgres_server: str) -> Iterator[str]:
+    """A fresh, empty PostgreSQL database for one test."""
+    url, drop = _create_pg_database(postgres_server)
+    yield url
+    drop()
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'switchboard.db'}"
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def database_url(request: pytest.FixtureRequest) -> str:
+    return request.getfixturevalue(f"{request.param}_url")
+
+
+@pytest.fixture
+def database(database_url: str) -> Iterator:
+    from gateway.db.database import Database
+
+    db = Database(database_url)
+    db.upgrade()
+    yield db
+    db.dispose()
+
+
+# --- engines and live servers ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def small_engine(smollm2_dir: Path) -> Iterator[AsyncEngine]:
+    """SmolLM2-135M-Instruct in bf16 behind a running engine thread, shared by the API tests."""
+    from engines.engine import Engine
+
+    engine = AsyncEngine(Engine.from_dir(smollm2_dir, dtype="bf16"), name="small")
+    engine.start()
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def live_server(
+    request: pytest.FixtureRequest, small_engine: AsyncEngine, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LiveServer]:
+    """The gateway on a real port, serving SmolLM2 as `small`, on SQLite and on PostgreSQL."""
+    from gateway.app import create_app
+    from gateway.db.database import Database
+    from gateway.settings import Settings
+
+    home = tmp_path_factory.mktemp("home")
+    if request.param == "sqlite":
+        url, drop = f"sqlite:///{home / 'switchboard.db'}", None
+    else:
+        server_url = request.getfixturevalue("postgres_server")
+        url, drop = _create_pg_database(server_url)
+    db = Database(url)
+    settings = Settings(home=home, database_url=url, max_request_bytes=256 * 1024, tiers={"small": {"model": "unused"}})
+    app = create_app(settings, engines={"small": small_engine}, database=db)
+    live, stop = start_server(app, db)
+    yield live
+    stop()
+    db.dispose()
+    if drop:
+        drop()
+
+
+def _create_pg_database(server_url: str) -> tuple[str, Callable[[], None]]:
+    admin = sa.create_engine(server_url, isolation_level="AUTOCOMMIT")
+    name = f"sb_test_{uuid.uuid4().hex[:12]}"
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+
+    def drop() -> None:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+    return sa.make_url(server_url).set(database=name).render_as_string(hide_password=False), drop

@@ -1,0 +1,92 @@
+"""The real commands: `switchboard serve` as users start it, and the tenant/key/db commands."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+import services
+
+SWITCHBOARD = str(Path(sys.executable).parent / "switchboard")
+
+
+def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([SWITCHBOARD, *args], capture_output=True, text=True, env=env, timeout=120)
+
+
+@pytest.fixture
+def home_env(tmp_path: Path, smollm2_dir: Path) -> dict[str, str]:
+    """A fresh home that already holds the fetched SmolLM2 (linked, not copied)."""
+    home = tmp_path / "home"
+    (home / "models").mkdir(parents=True)
+    (home / "models" / smollm2_dir.name).symlink_to(smollm2_dir)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHBOARD_")}
+    env.update(SWITCHBOARD_HOME=str(home), SWITCHBOARD_CONFIG=str(tmp_path / "switchboard.toml"))
+    return env
+
+
+def test_serve_answers_the_openai_client(home_env: dict[str, str], tmp_path: Path) -> None:
+    port = services.free_port()
+    (tmp_path / "switchboard.toml").write_text(
+        f'port = {port}\nlog_level = "warning"\n\n[tiers.small]\nmodel = "smollm2-135m-instruct"\nthreads = 1\n'
+    )
+    server = subprocess.Popen(
+        [SWITCHBOARD, "serve"], env=home_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None, server.stdout.read()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.2)
+        created = cli(home_env, "tenant", "create", "acme")
+        assert created.returncode == 0, created.stderr
+        key = created.stdout.strip()
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
+        reply = client.chat.completions.create(
+            model="small", messages=[{"role": "user", "content": "What is the capital of France?"}], temperature=0
+        )
+        assert "Paris" in reply.choices[0].message.content
+        assert (Path(home_env["SWITCHBOARD_HOME"]) / "switchboard.db").exists()  # the embedded default
+    finally:
+        server.send_signal(signal.SIGINT)
+        server.wait(30)
+    assert server.returncode == 0
+
+
+def test_tenant_and_key_commands(home_env: dict[str, str], postgres_url: str) -> None:
+    for env in (home_env, {**home_env, "SWITCHBOARD_DATABASE_URL": postgres_url}):
+        upgraded = cli(env, "db", "upgrade")
+        assert upgraded.returncode == 0 and "revision 0001" in upgraded.stderr
+        first = cli(env, "tenant", "create", "acme")
+        assert first.returncode == 0 and first.stdout.startswith("sk-sb-")
+        again = cli(env, "tenant", "create", "acme")
+        assert again.returncode == 1 and "already exists" in again.stderr and "Traceback" not in again.stderr
+        second = cli(env, "key", "create", "acme", "--role", "finance")
+        assert second.returncode == 0 and second.stdout.strip() != first.stdout.strip()
+        revoked = cli(env, "key", "revoke", first.stdout.strip()[:20])
+        assert revoked.returncode == 0
+        missing = cli(env, "key", "revoke", "sk-sb-nothing-like-this")
+        assert missing.returncode == 1 and "no key" in missing.stderr
+
+
+def test_models_list_and_bad_settings(home_env: dict[str, str], tmp_path: Path) -> None:
+    listed = cli(home_env, "models", "list")
+    assert listed.returncode == 0
+    assert "smollm2-135m-instruct" in listed.stdout and "fetched" in listed.stdout
+    (tmp_path / "switchboard.toml").write_text('[tiers.small]\ndtype = "int3"\n')
+    bad = cli(home_env, "db", "upgrade")
+    assert bad.returncode == 1 and "invalid settings" in bad.stderr and "dtype" in bad.stderr
