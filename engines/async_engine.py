@@ -45,6 +45,14 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def check(self, prompt_token_ids: list[int], max_tokens: int) -> None:
+        """Raise `RequestRejected` now, before streaming starts, if the request cannot be served."""
+        self.engine.check(prompt_token_ids, max_tokens)
+
+    @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
@@ -74,7 +82,7 @@ class AsyncEngine:
         request that has not finished.
         """
         for request in requests:
-            self.engine.check(request.prompt_token_ids, request.params.max_tokens)
+            self.check(request.prompt_token_ids, request.params.max_tokens)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         pending = {r.request_id for r in requests}
         with self._cond:

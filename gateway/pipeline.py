@@ -92,7 +92,8 @@ class Generation:
                     reasons[i] = reason
                     if out.text or reason:
                         yield ChoiceDelta(i, out.text, reason)
-            self.status = "ok"
+            # the engine aborts what is left when it shuts down under a running request
+            self.status = "aborted" if FinishReason.ABORT.value in reasons else "ok"
         except (asyncio.CancelledError, GeneratorExit):
             self.status = "aborted"
             raise
@@ -187,7 +188,7 @@ class Pipeline:
         prompt: list[int],
         max_tokens: int | None,
     ) -> SamplingParams:
-        room = engine.engine.max_model_len - len(prompt)
+        room = engine.max_model_len - len(prompt)
         if max_tokens is None:
             max_tokens = min(room, self.settings.default_max_tokens or room)
             max_tokens = max(max_tokens, 1)  # no room left: the context check below explains
@@ -202,7 +203,7 @@ class Pipeline:
                 frequency_penalty=body.frequency_penalty,
                 stop=tuple(body.stop_list),
             )
-            engine.engine.check(prompt, params.max_tokens)
+            engine.check(prompt, params.max_tokens)
         except RequestRejected as exc:
             param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
             raise invalid(str(exc), param=param, code=exc.code) from None

@@ -183,3 +183,21 @@ def test_async_engine_survives_a_failing_step(engine: Engine, monkeypatch: pytes
             runner.shutdown()
 
     asyncio.run(main())
+
+
+def test_async_engine_shutdown_aborts_running_requests(engine: Engine) -> None:
+    async def main() -> None:
+        runner = AsyncEngine(engine, name="t")
+        runner.start()
+        prompt = chat(engine, QUESTIONS[1])
+        outs = []
+        async for out in runner.generate(EngineRequest("s", prompt, SamplingParams(max_tokens=500))):
+            outs.append(out)
+            if len(outs) == 2:
+                await asyncio.to_thread(runner.shutdown)
+        # a step already under way when shutdown came may still deliver its token first
+        assert outs[-1].finish_reason is FinishReason.ABORT and outs[-1].new_token_ids == []
+        assert outs[-1].completion_tokens == len(outs) - 1
+        assert not engine.has_unfinished() and not runner.alive
+
+    asyncio.run(main())
