@@ -8,10 +8,10 @@ Torch releases the GIL inside its kernels, so HTTP keeps flowing while a step ru
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections.abc import AsyncIterator
-from contextlib import aclosing
 from dataclasses import dataclass
 
 import torch
@@ -71,36 +71,28 @@ class AsyncEngine:
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs; leaving early (break, cancel, error) aborts it."""
-        async with aclosing(self.generate_many([request])) as outputs:
+        async with self.open([request]) as outputs:
             async for out in outputs:
                 yield out
 
-    async def generate_many(self, requests: list[EngineRequest]) -> AsyncIterator[RequestOutput]:
-        """Stream the outputs of several requests as they come, until all have finished.
+    def open(self, requests: list[EngineRequest]) -> RequestStream:
+        """Submit requests and stream their outputs together (one queue for all, no task per choice).
 
-        One queue serves them all, so n choices need no task per choice; leaving early aborts every
-        request that has not finished.
+        Use as `async with engine.open(reqs) as stream: async for out in stream`; leaving the block
+        early aborts what has not finished and waits for the engine's word, so `stream.last` holds
+        every request's final token count.
         """
         for request in requests:
             self.check(request.prompt_token_ids, request.params.max_tokens)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        pending = {r.request_id for r in requests}
+        stream = RequestStream(self, requests)
         with self._cond:
-            if clash := pending & self._streams.keys():
+            if clash := stream.pending & self._streams.keys():
                 raise ValueError(f"request ids already streaming: {sorted(clash)}")
             for request in requests:
-                self._streams[request.request_id] = stream
+                self._streams[request.request_id] = stream._listener
                 self._inbox.append(request)
             self._cond.notify()
-        try:
-            while pending:
-                out = await stream.queue.get()
-                if out.finished:
-                    pending.discard(out.request_id)
-                yield out
-        finally:
-            for request_id in pending:
-                self.abort(request_id)
+        return stream
 
     def abort(self, request_id: str) -> None:
         with self._cond:
@@ -165,6 +157,51 @@ class AsyncEngine:
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
             except RuntimeError:  # the caller's event loop is gone; nobody is listening
                 log.debug("dropping output for %s: event loop closed", out.request_id)
+
+
+class RequestStream:
+    """The outputs of a group of requests, in the order the engine produced them."""
+
+    def __init__(self, engine: AsyncEngine, requests: list[EngineRequest]) -> None:
+        self._engine = engine
+        self._listener = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self.pending = {r.request_id for r in requests}
+        self.last: dict[str, RequestOutput] = {}  # the latest output of each request
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if not self.pending:
+            raise StopAsyncIteration
+        out = await self._listener.queue.get()
+        self.last[out.request_id] = out
+        if out.finished:
+            self.pending.discard(out.request_id)
+        return out
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self, timeout: float = 30.0) -> None:
+        """Abort what is unfinished and collect the engine's final outputs (bounded by `timeout`).
+
+        The engine answers an abort within one step. A caller that is being cancelled and needs the
+        final counts (for billing) must shield this call from its cancellation.
+        """
+        if not self.pending:
+            return
+        for request_id in self.pending:
+            self._engine.abort(request_id)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._drain(), timeout)
+
+    async def _drain(self) -> None:
+        while self.pending:
+            await self.__anext__()
 
 
 def _error_output(request: EngineRequest, message: str) -> RequestOutput:

@@ -14,7 +14,6 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
-from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 
 import anyio
@@ -78,20 +77,17 @@ class Generation:
         self.status = "running"
         started = time.perf_counter()
         index = {r.request_id: i for i, r in enumerate(self.requests)}
-        completion = [0] * len(self.requests)
         reasons: list[str | None] = [None] * len(self.requests)
+        stream = self.engine.open(self.requests)
         try:
-            async with aclosing(self.engine.generate_many(self.requests)) as outputs:
-                async for out in outputs:
-                    i = index[out.request_id]
-                    completion[i] = out.completion_tokens
-                    self.completion_tokens = sum(completion)
-                    if out.finish_reason is FinishReason.ERROR:
-                        raise APIError(500, "The engine failed while generating; please retry.", code="engine_error")
-                    reason = out.finish_reason.value if out.finish_reason else None
-                    reasons[i] = reason
-                    if out.text or reason:
-                        yield ChoiceDelta(i, out.text, reason)
+            async for out in stream:
+                self.completion_tokens = sum(o.completion_tokens for o in stream.last.values())
+                if out.finish_reason is FinishReason.ERROR:
+                    raise APIError(500, "The engine failed while generating; please retry.", code="engine_error")
+                i = index[out.request_id]
+                reasons[i] = out.finish_reason.value if out.finish_reason else None
+                if out.text or reasons[i]:
+                    yield ChoiceDelta(i, out.text, reasons[i])
             # the engine aborts what is left when it shuts down under a running request
             self.status = "aborted" if FinishReason.ABORT.value in reasons else "ok"
         except (asyncio.CancelledError, GeneratorExit):
@@ -101,19 +97,23 @@ class Generation:
             self.status = "error"
             raise
         finally:
-            rec = UsageRecord(
-                request_id=self.request_id,
-                tenant_id=self.principal.tenant_id,
-                api_key_id=self.principal.key_id,
-                endpoint=self.endpoint,
-                model=self.model,
-                prompt_tokens=self.prompt_tokens,
-                completion_tokens=self.completion_tokens,
-                latency_ms=round((time.perf_counter() - started) * 1000),
-                status=self.status,
-                finish_reason="abort" if self.status == "aborted" else reasons[0],
-            )
-            with anyio.CancelScope(shield=True):  # a cancelled stream must still write its row
+            # Shielded: a cancelled request must still be aborted, counted to its last generated
+            # token (tokens still queued for a departed client included) and written down.
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
+                self.completion_tokens = sum(o.completion_tokens for o in stream.last.values())
+                rec = UsageRecord(
+                    request_id=self.request_id,
+                    tenant_id=self.principal.tenant_id,
+                    api_key_id=self.principal.key_id,
+                    endpoint=self.endpoint,
+                    model=self.model,
+                    prompt_tokens=self.prompt_tokens,
+                    completion_tokens=self.completion_tokens,
+                    latency_ms=round((time.perf_counter() - started) * 1000),
+                    status=self.status,
+                    finish_reason="abort" if self.status == "aborted" else reasons[0],
+                )
                 await anyio.to_thread.run_sync(self.recorder.record, rec)
 
 

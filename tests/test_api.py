@@ -13,7 +13,7 @@ import pytest
 from transformers import PreTrainedTokenizerBase
 
 from engines.async_engine import AsyncEngine
-from gateway.tenants import revoke_key
+from gateway.tenants import authenticate, revoke_key
 from live import LiveServer
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
@@ -296,3 +296,33 @@ def test_client_leaving_a_plain_request_aborts_it(live_server: LiveServer, key: 
     (row,) = [r for r in live_server.usage_rows() if r.request_id not in before]
     assert row.status == "aborted" and row.completion_tokens < 400
     assert not small_engine.engine.has_unfinished()
+
+
+def test_engine_failure_is_an_openai_error_and_still_billed(
+    live_server: LiveServer,
+    key: str,
+    client: openai.OpenAI,
+    small_engine: AsyncEngine,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real_step = small_engine.engine.step
+    state = {"calls": 0}
+
+    def failing_third_step() -> list:
+        state["calls"] += 1
+        if state["calls"] == 3:
+            raise RuntimeError("simulated kernel failure")
+        return real_step()
+
+    monkeypatch.setattr(small_engine.engine, "step", failing_third_step)
+    with pytest.raises(openai.InternalServerError) as info:
+        client.chat.completions.create(model="small", messages=MESSAGES, max_tokens=50)
+    assert info.value.status_code == 500 and info.value.body["code"] == "engine_error"
+
+    state["calls"] = 0
+    stream = client.chat.completions.create(model="small", messages=MESSAGES, max_tokens=50, stream=True)
+    with pytest.raises(openai.APIError, match="engine failed"):
+        for _ in stream:
+            pass
+    rows = live_server.usage_rows(tenant_id=authenticate(live_server.db, key).tenant_id)
+    assert [(r.status, r.completion_tokens) for r in rows] == [("error", 2), ("error", 2)]

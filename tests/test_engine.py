@@ -149,8 +149,33 @@ def test_async_engine_streams_and_aborts_when_the_caller_leaves(engine: Engine) 
                 await asyncio.sleep(0.01)
             assert not engine.has_unfinished()
             many = [EngineRequest(f"m{i}", prompt, SamplingParams(max_tokens=4 + i, temperature=0)) for i in range(3)]
-            finals = {o.request_id: o for o in [o async for o in runner.generate_many(many)] if o.finished}
+            async with runner.open(many) as stream:
+                finals = {o.request_id: o for o in [o async for o in stream] if o.finished}
             assert {rid: o.completion_tokens for rid, o in finals.items()} == {"m0": 4, "m1": 5, "m2": 6}
+        finally:
+            runner.shutdown()
+
+    asyncio.run(main())
+
+
+def test_closing_a_stream_early_counts_every_generated_token(engine: Engine) -> None:
+    async def main() -> None:
+        runner = AsyncEngine(engine, name="t")
+        runner.start()
+        try:
+            prompt = chat(engine, QUESTIONS[1])
+            requests = [
+                EngineRequest(f"c{i}", prompt, SamplingParams(max_tokens=500, ignore_eos=True)) for i in range(2)
+            ]
+            async with runner.open(requests) as stream:
+                seen = [await stream.__anext__() for _ in range(2)]
+                await asyncio.sleep(0.3)  # the engine keeps going: outputs pile up unread
+            assert stream.pending == set()
+            finals = stream.last
+            assert all(o.finish_reason is FinishReason.ABORT for o in finals.values())
+            read = sum(o.completion_tokens for o in seen)
+            assert sum(o.completion_tokens for o in finals.values()) > read
+            assert not engine.has_unfinished()
         finally:
             runner.shutdown()
 
