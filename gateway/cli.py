@@ -13,7 +13,9 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from engines.fetch import FetchError
 from gateway.settings import Settings
+from gateway.tenants import TenantError
 
 if TYPE_CHECKING:
     from gateway.db.database import Database
@@ -32,7 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return handler(args)
     except KeyboardInterrupt:
         return 130
-    except _Failure as exc:
+    except (_Failure, FetchError, TenantError) as exc:  # expected failures: one line, no traceback
         print(f"switchboard: {exc}", file=sys.stderr)
         return 1
 
@@ -105,29 +107,21 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvicorn
 
-    from engines.fetch import FetchError
     from gateway.app import create_app
     from gateway.tiers import ensure_models
 
-    try:
-        ensure_models(settings)  # before the server starts, so progress bars show on a plain terminal
-    except FetchError as exc:
-        raise _Failure(str(exc)) from None
+    ensure_models(settings)  # before the server starts, so progress bars show on a plain terminal
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level)
     return 0
 
 
 def _models_fetch(args: argparse.Namespace) -> int:
-    from engines.fetch import FetchError, fetch_model
+    from engines.fetch import fetch_model
 
     settings = _settings()
     names = args.names or sorted({t.model for t in settings.tiers.values() if t.is_registry_model})
     for name in names:
-        try:
-            path = fetch_model(name, settings.home_dir)
-        except FetchError as exc:
-            raise _Failure(str(exc)) from None
-        print(path)
+        print(fetch_model(name, settings.home_dir))
     return 0
 
 
@@ -143,36 +137,27 @@ def _models_list(_: argparse.Namespace) -> int:
 
 
 def _tenant_create(args: argparse.Namespace) -> int:
-    from gateway.tenants import TenantError, create_tenant
+    from gateway.tenants import create_tenant
 
-    try:
-        issued = create_tenant(_database(), args.name)
-    except TenantError as exc:
-        raise _Failure(str(exc)) from None
+    issued = create_tenant(_database(), args.name)
     print(f"created tenant {issued.tenant}; its API key (shown once, store it now):", file=sys.stderr)
     print(issued.key)
     return 0
 
 
 def _key_create(args: argparse.Namespace) -> int:
-    from gateway.tenants import TenantError, create_key
+    from gateway.tenants import create_key
 
-    try:
-        issued = create_key(_database(), args.tenant, args.role)
-    except TenantError as exc:
-        raise _Failure(str(exc)) from None
+    issued = create_key(_database(), args.tenant, args.role)
     print(f"new {issued.role} key for {issued.tenant} (shown once, store it now):", file=sys.stderr)
     print(issued.key)
     return 0
 
 
 def _key_revoke(args: argparse.Namespace) -> int:
-    from gateway.tenants import TenantError, revoke_key
+    from gateway.tenants import revoke_key
 
-    try:
-        revoke_key(_database(), args.prefix)
-    except TenantError as exc:
-        raise _Failure(str(exc)) from None
+    revoke_key(_database(), args.prefix)
     print(f"revoked {args.prefix}", file=sys.stderr)
     return 0
 

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 
 from fastapi import APIRouter, Request, Response
+from pydantic import BaseModel
 
 from gateway.auth import CurrentPrincipal
 from gateway.errors import APIError
@@ -42,38 +43,48 @@ def _pipeline(request: Request) -> Pipeline:
 @router.post("/chat/completions", response_model=ChatCompletion)
 async def chat_completions(body: ChatCompletionRequest, request: Request, principal: CurrentPrincipal) -> Response:
     gen = await _pipeline(request).start_chat(principal, body)
-    headers = {"x-request-id": gen.request_id}
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    if body.stream:
-        return _with_headers(EventStreamResponse(_chat_events(gen, include_usage)), headers)
-    try:
-        texts, reasons = await until_disconnect(request, _collect(gen))
-    except ClientDisconnected:
-        return Response(status_code=499)
-    choices = [
-        ChatChoice(index=i, message=ChatMessageOut(content=t), finish_reason=r)
-        for i, (t, r) in enumerate(zip(texts, reasons, strict=True))
-    ]
-    result = ChatCompletion(id=gen.request_id, created=gen.created, model=gen.model, choices=choices, usage=gen.usage)
-    return Response(result.model_dump_json(), media_type="application/json", headers=headers)
+
+    def result(texts: list[str], reasons: list[str | None]) -> ChatCompletion:
+        choices = [
+            ChatChoice(index=i, message=ChatMessageOut(content=t), finish_reason=r)
+            for i, (t, r) in enumerate(zip(texts, reasons, strict=True))
+        ]
+        return ChatCompletion(id=gen.request_id, created=gen.created, model=gen.model, choices=choices, usage=gen.usage)
+
+    return await _respond(request, gen, body, _chat_events, result)
 
 
 @router.post("/completions", response_model=Completion)
 async def completions(body: CompletionRequest, request: Request, principal: CurrentPrincipal) -> Response:
     gen = await _pipeline(request).start_completion(principal, body)
+
+    def result(texts: list[str], reasons: list[str | None]) -> Completion:
+        choices = [
+            CompletionChoice(index=i, text=t, finish_reason=r)
+            for i, (t, r) in enumerate(zip(texts, reasons, strict=True))
+        ]
+        return Completion(id=gen.request_id, created=gen.created, model=gen.model, choices=choices, usage=gen.usage)
+
+    return await _respond(request, gen, body, _completion_events, result)
+
+
+async def _respond(
+    request: Request,
+    gen: Generation,
+    body: ChatCompletionRequest | CompletionRequest,
+    events: Callable[[Generation, bool], AsyncIterator[str]],
+    result: Callable[[list[str], list[str | None]], BaseModel],
+) -> Response:
+    """Stream SSE, or run to the end (aborting if the client leaves) and answer with `result`."""
     headers = {"x-request-id": gen.request_id}
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
     if body.stream:
-        return _with_headers(EventStreamResponse(_completion_events(gen, include_usage)), headers)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return EventStreamResponse(events(gen, include_usage), headers=headers)
     try:
         texts, reasons = await until_disconnect(request, _collect(gen))
     except ClientDisconnected:
-        return Response(status_code=499)
-    choices = [
-        CompletionChoice(index=i, text=t, finish_reason=r) for i, (t, r) in enumerate(zip(texts, reasons, strict=True))
-    ]
-    result = Completion(id=gen.request_id, created=gen.created, model=gen.model, choices=choices, usage=gen.usage)
-    return Response(result.model_dump_json(), media_type="application/json", headers=headers)
+        return Response(status_code=499)  # nobody is listening; the status is for the access log
+    return Response(result(texts, reasons).model_dump_json(), media_type="application/json", headers=headers)
 
 
 @router.get("/models", response_model=ModelList)
@@ -149,8 +160,3 @@ async def _stream(gen: Generation, render: Callable[[ChoiceDelta], list[str]]) -
                     yield payload
     except APIError as exc:
         yield sse(json.dumps(exc.body()))
-
-
-def _with_headers(response: Response, headers: dict[str, str]) -> Response:
-    response.headers.update(headers)
-    return response
