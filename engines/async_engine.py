@@ -12,7 +12,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -21,6 +21,10 @@ from engines.request import EngineRequest, FinishReason, RequestOutput
 from engines.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine's loop is stopped or has died; it takes no requests."""
 
 
 @dataclass
@@ -58,6 +62,7 @@ class AsyncEngine:
 
     def start(self) -> None:
         if self._thread is None:
+            self._stopping = False
             self._thread = threading.Thread(target=self._run, name=f"engine-{self.name}", daemon=True)
             self._thread.start()
 
@@ -86,6 +91,8 @@ class AsyncEngine:
             self.check(request.prompt_token_ids, request.params.max_tokens)
         stream = RequestStream(self, requests)
         with self._cond:
+            if self._stopping or not self.alive:
+                raise EngineUnavailable(f"engine {self.name} is not running")
             if clash := stream.pending & self._streams.keys():
                 raise ValueError(f"request ids already streaming: {sorted(clash)}")
             for request in requests:
@@ -119,6 +126,12 @@ class AsyncEngine:
                     outputs = self._fail_all(f"engine step failed: {exc}")
                 for out in outputs:
                     self._deliver(out)
+        # Stopping: whatever is still waiting or running ends as aborted, so no caller waits forever.
+        with self._cond:
+            inbox, self._inbox = self._inbox, []
+        for item in inbox:
+            if isinstance(item, EngineRequest):
+                self._deliver(_final_output(item, FinishReason.ABORT))
         for rid in list(self._streams):
             self._apply(rid)
 
@@ -133,18 +146,13 @@ class AsyncEngine:
         try:
             self.engine.add_request(item)
         except Exception as exc:
-            self._deliver(_error_output(item, str(exc)))
+            self._deliver(_final_output(item, FinishReason.ERROR, str(exc)))
 
     def _fail_all(self, message: str) -> list[RequestOutput]:
         outs = []
         for rid in list(self._streams):
-            out = self.engine.abort(rid)
-            if out is not None:
-                outs.append(
-                    RequestOutput(
-                        rid, [], out.text, out.prompt_tokens, out.completion_tokens, FinishReason.ERROR, message
-                    )
-                )
+            if (out := self.engine.abort(rid)) is not None:
+                outs.append(replace(out, finish_reason=FinishReason.ERROR, error=message))
         return outs
 
     def _deliver(self, out: RequestOutput) -> None:
@@ -204,5 +212,6 @@ class RequestStream:
             await self.__anext__()
 
 
-def _error_output(request: EngineRequest, message: str) -> RequestOutput:
-    return RequestOutput(request.request_id, [], "", len(request.prompt_token_ids), 0, FinishReason.ERROR, message)
+def _final_output(request: EngineRequest, reason: FinishReason, error: str | None = None) -> RequestOutput:
+    """The last word on a request that never ran."""
+    return RequestOutput(request.request_id, [], "", len(request.prompt_token_ids), 0, reason, error)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 import anyio
 
-from engines.async_engine import AsyncEngine
+from engines.async_engine import AsyncEngine, EngineUnavailable
 from engines.engine import RequestRejected
 from engines.request import EngineRequest, FinishReason
 from engines.sampling import SamplingParams
@@ -78,7 +78,10 @@ class Generation:
         started = time.perf_counter()
         index = {r.request_id: i for i, r in enumerate(self.requests)}
         reasons: list[str | None] = [None] * len(self.requests)
-        stream = self.engine.open(self.requests)
+        try:
+            stream = self.engine.open(self.requests)
+        except EngineUnavailable:  # stopped between start() and now: nothing ran, nothing to record
+            raise _unavailable(self.model) from None
         try:
             async for out in stream:
                 self.completion_tokens = sum(o.completion_tokens for o in stream.last.values())
@@ -124,15 +127,12 @@ class Pipeline:
         self.settings = settings
 
     def engine(self, model: str) -> AsyncEngine:
-        try:
-            return self.engines[model]
-        except KeyError:
-            raise APIError(
-                404,
-                f"The model `{model}` does not exist or you do not have access to it.",
-                code="model_not_found",
-                param="model",
-            ) from None
+        engine = self.engines.get(model)
+        if engine is None:
+            raise model_not_found(model)
+        if not engine.alive:
+            raise _unavailable(model)
+        return engine
 
     async def start_chat(self, principal: Principal, body: ChatCompletionRequest) -> Generation:
         engine = self.engine(body.model)
@@ -210,6 +210,19 @@ class Pipeline:
         except ValueError as exc:
             raise invalid(str(exc)) from None
         return params
+
+
+def model_not_found(model: str) -> APIError:
+    return APIError(
+        404,
+        f"The model `{model}` does not exist or you do not have access to it.",
+        code="model_not_found",
+        param="model",
+    )
+
+
+def _unavailable(model: str) -> APIError:
+    return APIError(503, f"The model `{model}` is not serving right now; retry shortly.", code="engine_unavailable")
 
 
 def _reject_unsupported(body: ChatCompletionRequest | CompletionRequest, names: tuple[str, ...]) -> None:

@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engines.async_engine import AsyncEngine
 from gateway.tenants import authenticate, revoke_key
-from live import LiveServer
+from live import LiveServer, start_server
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -326,3 +326,29 @@ def test_engine_failure_is_an_openai_error_and_still_billed(
             pass
     rows = live_server.usage_rows(tenant_id=authenticate(live_server.db, key).tenant_id)
     assert [(r.status, r.completion_tokens) for r in rows] == [("error", 2), ("error", 2)]
+
+
+def test_a_stopped_engine_answers_503(small_engine: AsyncEngine, tmp_path: Path) -> None:
+    from gateway.app import create_app
+    from gateway.db.database import Database
+    from gateway.settings import Settings
+
+    stopped = AsyncEngine(small_engine.engine, name="stopped")  # its own loop; never steps
+    url = f"sqlite:///{tmp_path / 'sb.db'}"
+    db = Database(url)
+    settings = Settings(home=tmp_path, database_url=url, tiers={"small": {"model": "unused"}})
+    live, stop = start_server(create_app(settings, engines={"small": stopped}, database=db), db)
+    try:
+        stopped.shutdown()
+        headers = {"Authorization": f"Bearer {live.new_key()}"}
+        body = {"model": "small", "messages": MESSAGES}
+        for stream in (False, True):
+            r = httpx.post(f"{live.base_url}/v1/chat/completions", json={**body, "stream": stream}, headers=headers)
+            assert_openai_error(r, 503, code="engine_unavailable")
+        assert httpx.get(f"{live.base_url}/v1/models/small", headers=headers).status_code == 200
+        health = httpx.get(f"{live.base_url}/healthz")
+        assert health.status_code == 503 and health.json()["engines"]["small"]["alive"] is False
+        assert live.usage_rows() == []
+    finally:
+        stop()
+        db.dispose()

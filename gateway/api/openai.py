@@ -15,7 +15,7 @@ from pydantic import BaseModel
 
 from gateway.auth import CurrentPrincipal
 from gateway.errors import APIError
-from gateway.pipeline import ChoiceDelta, Generation, Pipeline
+from gateway.pipeline import ChoiceDelta, Generation, Pipeline, model_not_found
 from gateway.schemas import (
     ChatChoice,
     ChatChunkChoice,
@@ -95,7 +95,8 @@ async def list_models(request: Request, _: CurrentPrincipal) -> ModelList:
 
 @router.get("/models/{model}", response_model=ModelCard)
 async def get_model(model: str, request: Request, _: CurrentPrincipal) -> ModelCard:
-    _pipeline(request).engine(model)  # 404 in OpenAI's shape when unknown
+    if model not in _pipeline(request).engines:
+        raise model_not_found(model)
     return ModelCard(id=model, created=request.app.state.started)
 
 
