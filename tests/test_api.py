@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Iterator
@@ -352,3 +353,26 @@ def test_a_stopped_engine_answers_503(small_engine: AsyncEngine, tmp_path: Path)
     finally:
         stop()
         db.dispose()
+
+
+def test_concurrent_requests_get_their_own_answers(live_server: LiveServer, key: str) -> None:
+    questions = ["What is 2+2?", "Name a color.", "What is the capital of Italy?", "Say hello.", "Name a fruit."]
+
+    async def ask(client: openai.AsyncOpenAI, question: str, stream: bool) -> str:
+        messages = [{"role": "user", "content": question}]
+        if not stream:
+            r = await client.chat.completions.create(model="small", messages=messages, temperature=0, max_tokens=12)
+            return r.choices[0].message.content
+        chunks = await client.chat.completions.create(
+            model="small", messages=messages, temperature=0, max_tokens=12, stream=True
+        )
+        return "".join([c.choices[0].delta.content or "" async for c in chunks])
+
+    async def main() -> None:
+        client = openai.AsyncOpenAI(base_url=f"{live_server.base_url}/v1", api_key=key, max_retries=0)
+        alone = [await ask(client, q, False) for q in questions]
+        together = await asyncio.gather(*(ask(client, q, i % 2 == 1) for i, q in enumerate(questions * 2)))
+        assert together == alone * 2
+        await client.close()
+
+    asyncio.run(main())
