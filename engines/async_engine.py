@@ -53,7 +53,11 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     def check(self, prompt_token_ids: list[int], max_tokens: int) -> None:
-        """Raise `RequestRejected` now, before streaming starts, if the request cannot be served."""
+        """Raise `RequestRejected` now, before streaming starts, if the request cannot be served.
+
+        `open` does not repeat this: a request that skipped it and fails the engine's own check on
+        the engine thread ends with an ERROR output saying why.
+        """
         self.engine.check(prompt_token_ids, max_tokens)
 
     @property
@@ -87,8 +91,6 @@ class AsyncEngine:
         early aborts what has not finished and waits for the engine's word, so `stream.last` holds
         every request's final token count.
         """
-        for request in requests:
-            self.check(request.prompt_token_ids, request.params.max_tokens)
         stream = RequestStream(self, requests)
         with self._cond:
             if self._stopping or not self.alive:

@@ -103,9 +103,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, dtype: torch.dtype = torch.b
 
     vocab = tokenizer.get_vocab()
     eos = [int(_field(reader, "tokenizer.ggml.eos_token_id"))]
-    for key in ("tokenizer.ggml.eot_token_id",):
-        if (tid := _field(reader, key)) is not None:
-            eos.append(int(tid))
+    if (eot := _field(reader, "tokenizer.ggml.eot_token_id")) is not None:
+        eos.append(int(eot))
     eos += [vocab[t] for t in _END_TOKENS if t in vocab]
     generation = {
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),

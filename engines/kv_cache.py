@@ -23,7 +23,3 @@ class SequenceKVCache:
         layer_kv[0, :, start:end] = k.transpose(0, 1)
         layer_kv[1, :, start:end] = v.transpose(0, 1)
         return layer_kv[0], layer_kv[1]
-
-    @property
-    def nbytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()

@@ -50,7 +50,7 @@ class Sequence:
             self.finish_reason = FinishReason.LENGTH
         return [token_id]
 
-    def output(self, new_ids: list[int], error: str | None = None) -> RequestOutput:
+    def output(self, new_ids: list[int]) -> RequestOutput:
         return RequestOutput(
             request_id=self.request_id,
             new_token_ids=new_ids,
@@ -58,5 +58,4 @@ class Sequence:
             prompt_tokens=self.prompt_len,
             completion_tokens=self.num_generated,
             finish_reason=self.finish_reason,
-            error=error,
         )

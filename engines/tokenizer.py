@@ -22,7 +22,6 @@ class Tokenizer:
         self.hf = AutoTokenizer.from_pretrained(model_dir)
         self.backend: tokenizers.Tokenizer = self.hf.backend_tokenizer
         self.eos_token_ids = frozenset(_eos_ids(model_dir, self.hf.eos_token_id))
-        self.vocab_size = len(self.hf)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids

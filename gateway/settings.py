@@ -18,6 +18,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from engines.fetch import model_dir as registry_model_dir
 from engines.registry import REGISTRY
 
 DEFAULT_HOME = Path("~/.cache/switchboard")
@@ -74,7 +75,7 @@ class Settings(BaseSettings):
 
     def model_dir(self, tier: TierSettings) -> Path:
         if tier.is_registry_model:
-            return self.home_dir / "models" / tier.model
+            return registry_model_dir(self.home_dir, tier.model)
         return Path(tier.model).expanduser()
 
     @property

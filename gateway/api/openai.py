@@ -117,9 +117,6 @@ async def _chat_events(gen: Generation, include_usage: bool) -> AsyncIterator[st
         )
         return sse(chunk_json(c, include_usage))
 
-    for i in range(gen.num_choices):
-        yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
-
     def delta_chunks(d: ChoiceDelta) -> list[str]:
         out = []
         if d.text:
@@ -128,11 +125,10 @@ async def _chat_events(gen: Generation, include_usage: bool) -> AsyncIterator[st
             out.append(chunk([ChatChunkChoice(index=d.index, delta=ChatDelta(), finish_reason=d.finish_reason)]))
         return out
 
-    async for payload in _stream(gen, delta_chunks):
+    for i in range(gen.num_choices):
+        yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+    async for payload in _stream(gen, delta_chunks, (lambda: chunk([], usage=True)) if include_usage else None):
         yield payload
-    if include_usage:
-        yield chunk([], usage=True)
-    yield sse("[DONE]")
 
 
 async def _completion_events(gen: Generation, include_usage: bool) -> AsyncIterator[str]:
@@ -145,15 +141,17 @@ async def _completion_events(gen: Generation, include_usage: bool) -> AsyncItera
     def delta_chunks(d: ChoiceDelta) -> list[str]:
         return [chunk([CompletionChoice(index=d.index, text=d.text, finish_reason=d.finish_reason)])]
 
-    async for payload in _stream(gen, delta_chunks):
+    async for payload in _stream(gen, delta_chunks, (lambda: chunk([], usage=True)) if include_usage else None):
         yield payload
-    if include_usage:
-        yield chunk([], usage=True)
-    yield sse("[DONE]")
 
 
-async def _stream(gen: Generation, render: Callable[[ChoiceDelta], list[str]]) -> AsyncIterator[str]:
-    """Rendered deltas; an error after the stream started becomes an OpenAI error event."""
+async def _stream(
+    gen: Generation, render: Callable[[ChoiceDelta], list[str]], usage_chunk: Callable[[], str] | None
+) -> AsyncIterator[str]:
+    """Rendered deltas, then the usage chunk if asked for, then `[DONE]`.
+
+    An error after the stream started becomes an OpenAI error event; what ran is still reported.
+    """
     try:
         async with aclosing(gen.events()) as events:
             async for delta in events:
@@ -161,3 +159,6 @@ async def _stream(gen: Generation, render: Callable[[ChoiceDelta], list[str]]) -
                     yield payload
     except APIError as exc:
         yield sse(json.dumps(exc.body()))
+    if usage_chunk is not None:
+        yield usage_chunk()
+    yield sse("[DONE]")
