@@ -1,23 +1,29 @@
 """The engine: requests in, one `step` at a time, outputs out.
 
-v0 runs each unfinished sequence forward by one pass per step (its whole prompt first, then one token
-at a time) on a contiguous KV cache. The engine core replaces the loop body with a scheduler, a paged
-KV pool and batched forwards; `add_request`, `step`, `abort` and the outputs stay as they are.
+Each step the scheduler picks which sequences compute how many tokens, the model runner computes them
+in one batched forward over the paged KV cache and samples, and the engine turns sampled tokens into
+outputs, registers newly full blocks in the prefix cache and frees the blocks of finished requests.
 """
 
 from __future__ import annotations
 
+import itertools
+import statistics
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from engines.attention import AttentionMetadata, TorchAttention
+from engines.block_manager import BlockManager, BlockTable
 from engines.detokenizer import IncrementalDetokenizer
-from engines.kv_cache import SequenceKVCache
+from engines.kv_cache import PagedKVCache, bytes_per_block
 from engines.model_loader import load_model
+from engines.model_runner import ModelRunner
 from engines.models.llama import LlamaForCausalLM
 from engines.request import EngineRequest, FinishReason, RequestOutput
-from engines.sampling import sample
+from engines.scheduler import Scheduler
 from engines.sequence import Sequence
 from engines.tokenizer import Tokenizer
 
@@ -30,19 +36,82 @@ class RequestRejected(ValueError):
         self.code = code
 
 
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16  # tokens per KV block
+    kv_cache_bytes: int = 1 << 30  # the KV pool, preallocated (pages are touched as blocks fill)
+    max_num_seqs: int = 64  # sequences per step
+    max_num_batched_tokens: int = 512  # tokens per step: the prefill chunk size when decodes are few
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None  # default: the model's own context
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    waiting: int
+    running: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    kv_blocks_cached: int
+    kv_utilization: float
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+    prefix_hit_rate: float
+    evictions: int
+    preemptions: int
+    steps: int
+    tokens_computed: int  # prompt and generated tokens that went through the model
+    tokens_generated: int
+    step_ms_p50: float  # over the last 100 steps
+    step_tokens_p50: float
+    block_size: int
+    kv_cache_bytes: int
+
+    def as_dict(self) -> dict[str, float | int]:
+        return asdict(self)
+
+
 class Engine:
-    def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, *, max_model_len: int | None = None) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, tokenizer: Tokenizer, config: EngineConfig | None = None, *, name: str = ""
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
+        self.config = config = config or EngineConfig()
         cfg = model.config
-        self.max_model_len = min(cfg.max_position_embeddings, max_model_len or cfg.max_position_embeddings)
+        self.max_model_len = min(cfg.max_position_embeddings, config.max_model_len or cfg.max_position_embeddings)
         self.dtype = model.embed_tokens.weight.dtype
-        self._backend = TorchAttention()
-        self._running: dict[str, Sequence] = {}
+        per_block = bytes_per_block(
+            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, config.block_size, self.dtype
+        )
+        num_blocks = config.kv_cache_bytes // per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} holds no block of {per_block} bytes")
+        self.cache = PagedKVCache(
+            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, num_blocks, config.block_size, self.dtype
+        )
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+        )
+        self.runner = ModelRunner(model, self.cache)
+        # The model is part of every block hash: a shared pool never mixes two models' keys.
+        self.salt = name or f"{cfg.architecture}:{cfg.hidden_size}x{cfg.num_hidden_layers}:{self.dtype}"
+        self._seqs: dict[str, Sequence] = {}
+        self._arrival = itertools.count()
+        self._steps = self._computed = self._generated = 0
+        self._recent: deque[tuple[float, int]] = deque(maxlen=100)  # (step seconds, tokens)
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, *, dtype: str = "bf16", max_model_len: int | None = None) -> Engine:
-        return cls(load_model(model_dir, dtype), Tokenizer(model_dir), max_model_len=max_model_len)
+    def from_dir(
+        cls, model_dir: str | Path, *, dtype: str = "bf16", config: EngineConfig | None = None, name: str = ""
+    ) -> Engine:
+        return cls(load_model(model_dir, dtype), Tokenizer(model_dir), config, name=name)
 
     def check(self, prompt_token_ids: list[int], max_tokens: int) -> None:
         """Raise `RequestRejected` if this prompt and token budget cannot be served."""
@@ -56,12 +125,20 @@ class Engine:
                 "Please reduce the length of the messages or completion.",
                 code="context_length_exceeded",
             )
+        # A sequence must fit in the pool on its own, or preemption could never make room for it.
+        capacity = self.block_manager.num_blocks * self.config.block_size
+        if n + max_tokens > capacity:
+            raise RequestRejected(
+                f"This server's KV cache holds {capacity} tokens per sequence; you requested {n + max_tokens}. "
+                "Please reduce the length of the messages or completion.",
+                code="context_length_exceeded",
+            )
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise RequestRejected(f"prompt token ids must lie in [0, {vocab})")
 
     def add_request(self, request: EngineRequest) -> None:
-        if request.request_id in self._running:
+        if request.request_id in self._seqs:
             raise RequestRejected(f"request id {request.request_id!r} is already running")
         params = request.params
         self.check(request.prompt_token_ids, params.max_tokens)
@@ -69,45 +146,72 @@ class Engine:
             frozenset() if params.ignore_eos else self.tokenizer.eos_token_ids
         )
         detok = IncrementalDetokenizer(self.tokenizer.backend, params.stop)
-        self._running[request.request_id] = Sequence(request, detok, stop_ids)
+        table = BlockTable(salt=f"{self.salt}|{request.cache_salt}")
+        seq = Sequence(request, detok, stop_ids, table, arrival=next(self._arrival))
+        self._seqs[request.request_id] = seq
+        self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        seq = self._running.pop(request_id, None)
+        """Stop a request now and free its blocks; None if it is not here (finished or unknown)."""
+        seq = self._seqs.pop(request_id, None)
         if seq is None:
             return None
+        self.scheduler.finish(seq)
         seq.finish_reason = FinishReason.ABORT
-        seq.cache = None
         return seq.output([])
 
     def has_unfinished(self) -> bool:
-        return bool(self._running)
+        return bool(self._seqs)
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        return len(self._seqs)
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        sampled = self.runner.run(batch.seqs, batch.num_new)
         outputs = []
-        for seq in list(self._running.values()):
-            token = self._forward_and_sample(seq)
-            new_ids = seq.append(token, self.max_model_len)
-            outputs.append(seq.output(new_ids))
+        for seq, n, token in zip(batch.seqs, batch.num_new, sampled, strict=True):
+            seq.num_computed += n
+            self.block_manager.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed)
+            if token is None:
+                continue  # a prefill chunk that has not reached the end of its prompt yet
+            seq.append(token, self.max_model_len)
+            outputs.append(seq.output([token]))
             if seq.finish_reason is not None:
-                del self._running[seq.request_id]
-                seq.cache = None
+                del self._seqs[seq.request_id]
+                self.scheduler.finish(seq)
+        self._steps += 1
+        self._computed += batch.num_tokens
+        self._generated += len(outputs)
+        self._recent.append((time.perf_counter() - started, batch.num_tokens))
         return outputs
 
-    def _forward_and_sample(self, seq: Sequence) -> int:
-        cfg = self.model.config
-        if seq.cache is None:
-            capacity = min(seq.prompt_len + seq.request.params.max_tokens, self.max_model_len)
-            seq.cache = SequenceKVCache(
-                cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, capacity, self.dtype
-            )
-        start, end = seq.num_computed, len(seq.token_ids)
-        meta = AttentionMetadata.for_sequence(seq.cache, start, end - start)
-        hidden = self.model(torch.tensor(seq.token_ids[start:end]), torch.arange(start, end), self._backend, meta)
-        seq.num_computed = end
-        logits = self.model.compute_logits(hidden[-1:])
-        return sample(logits, [seq.sampling])[0]
+    def stats(self) -> EngineStats:
+        kv = self.block_manager.stats()
+        recent = list(self._recent)
+        return EngineStats(
+            waiting=len(self.scheduler.waiting),
+            running=len(self.scheduler.running),
+            kv_blocks_total=kv.num_blocks,
+            kv_blocks_used=kv.used,
+            kv_blocks_free=kv.free,
+            kv_blocks_cached=kv.cached,
+            kv_utilization=round(kv.utilization, 4),
+            prefix_queried_tokens=kv.prefix_queried_tokens,
+            prefix_hit_tokens=kv.prefix_hit_tokens,
+            prefix_hit_rate=round(kv.prefix_hit_rate, 4),
+            evictions=kv.evictions,
+            preemptions=self.scheduler.num_preemptions,
+            steps=self._steps,
+            tokens_computed=self._computed,
+            tokens_generated=self._generated,
+            step_ms_p50=round(statistics.median(s for s, _ in recent) * 1000, 3) if recent else 0.0,
+            step_tokens_p50=statistics.median(n for _, n in recent) if recent else 0.0,
+            block_size=self.config.block_size,
+            kv_cache_bytes=self.cache.nbytes,
+        )

@@ -1,6 +1,8 @@
-"""v0 KV cache: one contiguous buffer per sequence, sized for its prompt plus its token budget.
+"""The paged KV pool: one preallocated tensor per layer for keys and values, addressed by slot.
 
-Sized up front so decode never reallocates; the paged block pool of the engine core replaces this.
+A slot is `block_id * block_size + offset`; the block manager hands out blocks, the model runner turns
+them into slot indices once per step, and the attention backend reads and writes through them.
+Sized in bytes from config, so the number of blocks follows from the model's shape and dtype.
 """
 
 from __future__ import annotations
@@ -8,18 +10,25 @@ from __future__ import annotations
 import torch
 
 
-class SequenceKVCache:
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype) -> None:
-        self.capacity = capacity
-        # (layers, k|v, kv_heads, tokens, head_dim): tokens contiguous per head, as SDPA reads them.
-        self.buffer = torch.empty(num_layers, 2, num_kv_heads, capacity, head_dim, dtype=dtype)
+def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
 
-    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k/v (new, kv_heads, dim) at positions start.. and return this layer's full k and v."""
-        end = start + k.shape[0]
-        if end > self.capacity:
-            raise IndexError(f"sequence of {end} tokens overflows its KV cache of {self.capacity}")
-        layer_kv = self.buffer[layer]
-        layer_kv[0, :, start:end] = k.transpose(0, 1)
-        layer_kv[1, :, start:end] = v.transpose(0, 1)
-        return layer_kv[0], layer_kv[1]
+
+class PagedKVCache:
+    def __init__(
+        self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int, dtype: torch.dtype
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        # (layers, k|v, blocks, block_size, kv_heads, head_dim): a block is one contiguous run of
+        # memory per layer, so gathering a sequence's context copies whole blocks.
+        # torch.empty maps pages lazily: memory is only touched as blocks fill.
+        self.buffer = torch.empty(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's keys and values, each (blocks, block_size, kv_heads, head_dim)."""
+        return self.buffer[layer, 0], self.buffer[layer, 1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()

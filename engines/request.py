@@ -20,6 +20,8 @@ class EngineRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    priority: int = 0  # lower runs first; equal priorities are served first come, first served
+    cache_salt: str = ""  # prefix-cache scope: requests share cached prefixes only with the same salt
 
 
 @dataclass(frozen=True)

@@ -59,14 +59,19 @@ class SamplingState:
 
 
 def sample(logits: torch.Tensor, states: list[SamplingState]) -> list[int]:
-    """One token per row of `logits` (rows, vocab), float32."""
-    out: list[int] = []
-    for row, state in zip(logits, states, strict=True):
+    """One token per row of `logits` (rows, vocab), float32.
+
+    Plain greedy rows share one batched argmax; rows with penalties or randomness go one by one,
+    each with its own generator, so a seeded request samples the same tokens in any batch.
+    """
+    out = logits.argmax(-1).tolist()
+    for i, (row, state) in enumerate(zip(logits, states, strict=True)):
         p = state.params
         if p.presence_penalty or p.frequency_penalty:
             row = _apply_penalties(row, state.output_ids, p)
+            if p.greedy:
+                out[i] = int(row.argmax())
         if p.greedy:
-            out.append(int(row.argmax()))
             continue
         row = row / p.temperature
         if p.top_k and p.top_k < row.shape[-1]:
@@ -75,7 +80,7 @@ def sample(logits: torch.Tensor, states: list[SamplingState]) -> list[int]:
         probs = torch.softmax(row, dim=-1)
         if p.top_p < 1.0:
             probs = _top_p(probs, p.top_p)
-        out.append(int(torch.multinomial(probs, 1, generator=state.generator)))
+        out[i] = int(torch.multinomial(probs, 1, generator=state.generator))
     return out
 
 

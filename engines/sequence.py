@@ -1,13 +1,25 @@
-"""A request's life inside the engine: its tokens, its KV cache and how far it has been computed."""
+"""A request's life inside the engine: its tokens, its blocks and how far it has been computed.
+
+vLLM's rule with no phases: `token_ids` is the target, `num_computed` how many of them have keys and
+values in the KV cache. A step computes some of the rest; a sequence whose whole target is computed
+samples its next token. Prefill, chunked prefill, prefix hits and decode are all this one rule.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum, auto
 
+from engines.block_manager import BlockTable
 from engines.detokenizer import IncrementalDetokenizer
-from engines.kv_cache import SequenceKVCache
 from engines.request import EngineRequest, FinishReason, RequestOutput
 from engines.sampling import SamplingState
+
+
+class Status(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
 
 
 @dataclass
@@ -15,11 +27,14 @@ class Sequence:
     request: EngineRequest
     detokenizer: IncrementalDetokenizer
     stop_ids: frozenset[int]
-    cache: SequenceKVCache | None = None
+    block_table: BlockTable
+    arrival: int  # admission order to the engine: FCFS ties and preemption pick from it
     sampling: SamplingState = field(init=False)
     token_ids: list[int] = field(init=False)  # prompt + generated
     num_computed: int = 0  # tokens whose keys and values are in the cache
+    status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
 
     def __post_init__(self) -> None:
         self.sampling = SamplingState(self.request.params)
@@ -30,6 +45,10 @@ class Sequence:
         return self.request.request_id
 
     @property
+    def priority(self) -> int:
+        return self.request.priority
+
+    @property
     def prompt_len(self) -> int:
         return len(self.request.prompt_token_ids)
 
@@ -37,8 +56,12 @@ class Sequence:
     def num_generated(self) -> int:
         return len(self.token_ids) - self.prompt_len
 
-    def append(self, token_id: int, max_model_len: int) -> list[int]:
-        """Record a sampled token and decide whether the sequence is done; returns the new ids."""
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    def append(self, token_id: int, max_model_len: int) -> None:
+        """Record a sampled token and decide whether the sequence is done."""
         self.token_ids.append(token_id)
         self.sampling.output_ids.append(token_id)
         params = self.request.params
@@ -48,7 +71,6 @@ class Sequence:
             self.finish_reason = FinishReason.STOP
         elif self.num_generated >= params.max_tokens or len(self.token_ids) >= max_model_len:
             self.finish_reason = FinishReason.LENGTH
-        return [token_id]
 
     def output(self, new_ids: list[int]) -> RequestOutput:
         return RequestOutput(

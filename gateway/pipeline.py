@@ -164,12 +164,15 @@ class Pipeline:
         if body.n * len(prompts) > self.settings.max_n:
             raise invalid(f"at most {self.settings.max_n} choices per request (n × prompts)", param="n")
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        # Cached prompt prefixes are shared within a tenant only, unless configured otherwise: a
+        # faster first token would tell one tenant what another tenant's prompts begin with.
+        salt = f"tenant:{principal.tenant_id}" if self.settings.prefix_cache_scope == "tenant" else ""
         requests = []
         for p, prompt in enumerate(prompts):
             params = self._params(body, engine, prompt, max_tokens)
             for j in range(body.n):
                 seeded = params if params.seed is None else replace(params, seed=params.seed + j)
-                requests.append(EngineRequest(f"{request_id}-{p * body.n + j}", prompt, seeded))
+                requests.append(EngineRequest(f"{request_id}-{p * body.n + j}", prompt, seeded, cache_salt=salt))
         return Generation(
             request_id=request_id,
             endpoint=endpoint,

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ByteSize, ConfigDict, Field
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -31,6 +31,11 @@ class TierSettings(BaseModel):
     dtype: Literal["bf16", "fp32"] = "bf16"
     threads: int | None = Field(None, ge=1, description="torch threads for this tier; default: all CPUs")
     max_model_len: int | None = Field(None, ge=16, description="context limit; default: the model's")
+    block_size: int = Field(16, ge=1, le=1024, description="tokens per KV-cache block")
+    kv_cache_bytes: ByteSize = Field(ByteSize(1 << 30), description='the KV pool, e.g. "1GiB" or "512MiB"')
+    max_num_seqs: int = Field(64, ge=1, description="most sequences in one engine step")
+    max_num_batched_tokens: int = Field(512, ge=1, description="most tokens in one step (the prefill chunk)")
+    enable_prefix_caching: bool = True
 
     @property
     def is_registry_model(self) -> bool:
@@ -52,6 +57,9 @@ class Settings(BaseSettings):
     auto_fetch: bool = Field(True, description="fetch registry models the tiers need on start")
     auto_migrate: bool = Field(True, description="bring the database schema up to date on start")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    prefix_cache_scope: Literal["tenant", "shared"] = Field(
+        "tenant", description="tenant: cached prompt prefixes are reused only within a tenant"
+    )
 
     @classmethod
     def settings_customise_sources(

@@ -6,7 +6,7 @@ import logging
 import time
 
 from engines.async_engine import AsyncEngine
-from engines.engine import Engine
+from engines.engine import Engine, EngineConfig
 from engines.fetch import FetchError, fetch_model, is_fetched
 from gateway.settings import Settings, TierSettings
 
@@ -24,12 +24,12 @@ def ensure_models(settings: Settings, *, progress: bool = True) -> None:
 
 
 def load_engines(settings: Settings) -> dict[str, AsyncEngine]:
-    """One engine per distinct (model, dtype, context); tiers naming the same model share it."""
+    """One engine per distinct (model, dtype, engine config); tiers naming the same model share it."""
     ensure_models(settings)
     loaded: dict[tuple, AsyncEngine] = {}
     engines: dict[str, AsyncEngine] = {}
     for name, tier in settings.tiers.items():
-        key = (str(settings.model_dir(tier)), tier.dtype, tier.max_model_len)
+        key = (str(settings.model_dir(tier)), tier.dtype, engine_config(tier))
         if key not in loaded:
             loaded[key] = AsyncEngine(
                 _load(settings, name, tier), name=name, threads=tier.threads or settings.max_threads
@@ -38,8 +38,19 @@ def load_engines(settings: Settings) -> dict[str, AsyncEngine]:
     return engines
 
 
+def engine_config(tier: TierSettings) -> EngineConfig:
+    return EngineConfig(
+        block_size=tier.block_size,
+        kv_cache_bytes=int(tier.kv_cache_bytes),
+        max_num_seqs=tier.max_num_seqs,
+        max_num_batched_tokens=tier.max_num_batched_tokens,
+        enable_prefix_caching=tier.enable_prefix_caching,
+        max_model_len=tier.max_model_len,
+    )
+
+
 def _load(settings: Settings, name: str, tier: TierSettings) -> Engine:
     started = time.perf_counter()
-    engine = Engine.from_dir(settings.model_dir(tier), dtype=tier.dtype, max_model_len=tier.max_model_len)
+    engine = Engine.from_dir(settings.model_dir(tier), dtype=tier.dtype, config=engine_config(tier), name=tier.model)
     log.info("tier %s: loaded %s (%s) in %.1f s", name, tier.model, tier.dtype, time.perf_counter() - started)
     return engine

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engines.async_engine import AsyncEngine
-from engines.engine import Engine, RequestRejected
+from engines.engine import Engine, EngineConfig, RequestRejected
 from engines.request import EngineRequest, FinishReason, RequestOutput
 from engines.sampling import SamplingParams
 
@@ -94,7 +94,7 @@ def test_finish_reasons(engine: Engine) -> None:
 
 
 def test_context_limit(smollm2_dir: Path) -> None:
-    small = Engine.from_dir(smollm2_dir, dtype="bf16", max_model_len=48)
+    small = Engine.from_dir(smollm2_dir, dtype="bf16", config=EngineConfig(max_model_len=48))
     prompt = chat(small, QUESTIONS[2])  # 37 tokens
     with pytest.raises(RequestRejected, match="maximum context length is 48") as info:
         small.add_request(EngineRequest("x", prompt, SamplingParams(max_tokens=20)))

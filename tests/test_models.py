@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines.attention import AttentionMetadata, TorchAttention
-from engines.kv_cache import SequenceKVCache
+from engines.attention import AttentionMetadata, TorchPagedAttention
+from engines.kv_cache import PagedKVCache
 from engines.model_config import ModelConfig, UnsupportedModelError
 from engines.model_loader import load_model
 from engines.models.llama import LlamaForCausalLM
@@ -35,13 +35,23 @@ def tiny_hf_model(arch: str, tmp_path: Path, **overrides: object) -> Path:
     return tmp_path
 
 
-def run_in_pieces(model: LlamaForCausalLM, ids: torch.Tensor, cuts: list[int]) -> torch.Tensor:
-    """Logits for every position, computed as a prefill, then extends, then single-token decodes."""
+def run_in_pieces(model: LlamaForCausalLM, ids: torch.Tensor, cuts: list[int], block_size: int = 4) -> torch.Tensor:
+    """Logits for every position, computed as a prefill, then extends, then single-token decodes,
+    through the paged KV cache with the sequence's blocks scattered over the pool."""
     cfg = model.config
-    cache = SequenceKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, len(ids), torch.float32)
-    backend, out, start = TorchAttention(), [], 0
+    needed = -(-len(ids) // block_size)
+    cache = PagedKVCache(
+        cfg.num_hidden_layers,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        needed + 3,
+        block_size,
+        model.embed_tokens.weight.dtype,
+    )
+    table = torch.randperm(needed + 3, generator=torch.Generator().manual_seed(0))[:needed].tolist()
+    backend, out, start = TorchPagedAttention(cache), [], 0
     for end in [*cuts, *range(cuts[-1] + 1, len(ids) + 1)]:
-        meta = AttentionMetadata.for_sequence(cache, start, end - start)
+        meta = AttentionMetadata.build(block_size, [table], [start], [end - start])
         hidden = model(ids[start:end], torch.arange(start, end), backend, meta)
         out.append(model.compute_logits(hidden))
         start = end

@@ -1,0 +1,55 @@
+"""The model runner: turns a scheduled batch into one forward pass over the paged KV cache, then samples.
+
+Sequences are laid out flat, one-token queries first (decodes), then multi-token chunks, so one set
+of matmuls serves every sequence: the weights are read once per step however many sequences ride.
+Only the rows that end a sequence's target are turned into logits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engines.attention import AttentionMetadata, TorchPagedAttention
+from engines.kv_cache import PagedKVCache
+from engines.models.llama import LlamaForCausalLM
+from engines.sampling import sample
+from engines.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache) -> None:
+        self.model = model
+        self.cache = cache
+        self.backend = TorchPagedAttention(cache)
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], num_new: list[int]) -> list[int | None]:
+        """Compute `num_new[i]` tokens of `seqs[i]`; returns the sampled next token of each sequence
+        whose target is now fully computed, None for the others (chunks of a longer prefill)."""
+        order = sorted(range(len(seqs)), key=lambda i: num_new[i] != 1)  # stable: decodes first
+        input_ids: list[int] = []
+        positions: list[int] = []
+        sample_rows: list[int] = []
+        sample_seqs: list[int] = []
+        for i in order:
+            seq, n = seqs[i], num_new[i]
+            done = seq.num_computed
+            input_ids.extend(seq.token_ids[done : done + n])
+            positions.extend(range(done, done + n))
+            if done + n == len(seq.token_ids):
+                sample_rows.append(len(input_ids) - 1)
+                sample_seqs.append(i)
+        meta = AttentionMetadata.build(
+            self.cache.block_size,
+            [seqs[i].block_table.block_ids for i in order],
+            [seqs[i].num_computed for i in order],
+            [num_new[i] for i in order],
+        )
+        hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), self.backend, meta)
+        result: list[int | None] = [None] * len(seqs)
+        if sample_rows:
+            logits = self.model.compute_logits(hidden[sample_rows])
+            tokens = sample(logits, [seqs[i].sampling for i in sample_seqs])
+            for i, token in zip(sample_seqs, tokens, strict=True):
+                result[i] = token
+        return result
