@@ -12,27 +12,7 @@ from engines.kv_cache import PagedKVCache
 from engines.model_config import ModelConfig, UnsupportedModelError
 from engines.model_loader import load_model
 from engines.models.llama import LlamaForCausalLM
-
-
-def tiny_hf_model(arch: str, tmp_path: Path, **overrides: object) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]
-    cfg = dict(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rope_theta=10000.0,
-    )
-    cfg.update(overrides)
-    torch.manual_seed(0)
-    model = model_cls(config_cls(**cfg)).eval()
-    model.save_pretrained(tmp_path)
-    return tmp_path
+from tiny import tiny_hf_model
 
 
 def run_in_pieces(model: LlamaForCausalLM, ids: torch.Tensor, cuts: list[int], block_size: int = 4) -> torch.Tensor:
