@@ -22,8 +22,8 @@ class PagedKVCache:
         self.block_size = block_size
         # (layers, k|v, blocks, block_size, kv_heads, head_dim): a block is one contiguous run of
         # memory per layer, so gathering a sequence's context copies whole blocks.
-        # torch.empty maps pages lazily: memory is only touched as blocks fill.
-        self.buffer = torch.empty(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+        # Zeroed, not empty: attention reads masked padding slots, and 0 × NaN garbage would be NaN.
+        self.buffer = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's keys and values, each (blocks, block_size, kv_heads, head_dim)."""

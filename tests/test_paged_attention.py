@@ -1,0 +1,64 @@
+"""Paged attention on a mixed batch against plain per-sequence attention on contiguous tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engines.attention import AttentionMetadata, TorchPagedAttention
+from engines.kv_cache import PagedKVCache
+
+HEADS, KV_HEADS, DIM, BS, BLOCKS = 6, 2, 8, 4, 64
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
+    """q (new, heads, dim) against k/v (past + new, kv_heads, dim), causal, computed naively in fp64."""
+    group = HEADS // KV_HEADS
+    k = k.double().repeat_interleave(group, dim=1)
+    v = v.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) / DIM**0.5
+    allowed = torch.arange(k.shape[0])[None, :] <= (past + torch.arange(q.shape[0]))[:, None]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_mixed_batch_matches_per_sequence_attention(dtype: torch.dtype, tol: float) -> None:
+    gen = torch.Generator().manual_seed(0)
+    cache = PagedKVCache(1, KV_HEADS, DIM, BLOCKS, BS, dtype)
+    assert not cache.buffer.any()  # zeroed: masked slots never hold NaN garbage
+    cache.buffer.normal_(0, 1e4, generator=gen)  # stale keys of freed blocks: must be masked out
+    free = torch.randperm(BLOCKS, generator=gen).tolist()
+    # (tokens already cached, tokens new this step): decodes first, then chunks, as the runner orders them
+    shapes = [(9, 1), (3, 1), (16, 1), (0, 1), (0, 7), (12, 5), (5, 11)]
+    tables, full_k, full_v = [], [], []
+    for past, new in shapes:
+        n_blocks = -(-(past + new) // BS)
+        tables.append([free.pop() for _ in range(n_blocks)])
+        full_k.append(torch.randn(past + new, KV_HEADS, DIM, generator=gen).to(dtype))
+        full_v.append(torch.randn(past + new, KV_HEADS, DIM, generator=gen).to(dtype))
+    k_cache, v_cache = cache.layer(0)
+    for table, (past, _), k, v in zip(tables, shapes, full_k, full_v, strict=True):
+        for pos in range(past):  # what earlier steps stored
+            k_cache[table[pos // BS], pos % BS] = k[pos]
+            v_cache[table[pos // BS], pos % BS] = v[pos]
+    q = [torch.randn(new, HEADS, DIM, generator=gen).to(dtype) for _, new in shapes]
+    meta = AttentionMetadata.build(BS, tables, [p for p, _ in shapes], [n for _, n in shapes])
+    assert meta.num_decode == 4 and len(meta.extends) == 3
+    new_k = torch.cat([k[p:] for k, (p, _) in zip(full_k, shapes, strict=True)])
+    new_v = torch.cat([v[p:] for v, (p, _) in zip(full_v, shapes, strict=True)])
+    out = TorchPagedAttention(cache).forward(0, torch.cat(q), new_k, new_v, meta)
+    row = 0
+    for qi, k, v, (past, new) in zip(q, full_k, full_v, shapes, strict=True):
+        expected = reference(qi, k, v, past)
+        assert (out[row : row + new].double() - expected).abs().max().item() < tol
+        row += new
+    for table, k, (past, new) in zip(tables, full_k, shapes, strict=True):  # the new keys were stored
+        for pos in range(past, past + new):
+            assert torch.equal(k_cache[table[pos // BS], pos % BS], k[pos])
+
+
+def test_a_single_decode_needs_no_mask() -> None:
+    meta = AttentionMetadata.build(BS, [[3, 1, 2]], [9], [1])
+    assert meta.decode_mask is None and meta.decode_context_len == 10
+    assert meta.slot_mapping.tolist() == [2 * BS + 1]
