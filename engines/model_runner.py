@@ -3,6 +3,10 @@
 Sequences are laid out flat, one-token queries first (decodes), then multi-token chunks, so one set
 of matmuls serves every sequence: the weights are read once per step however many sequences ride.
 Only the rows that end a sequence's target are turned into logits.
+
+A step with a single token runs it twice: bf16 matmuls take another kernel for one row than for two or
+more, whose rows are bit-identical for any row count, so padding keeps a lone request's greedy answer
+the same as when it shares steps with others (see `engines.attention` for the attention half).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.backend = TorchPagedAttention(cache)
+        cfg = model.config
+        self.group = cfg.num_attention_heads // cfg.num_key_value_heads
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], num_new: list[int]) -> list[int | None]:
@@ -39,12 +45,18 @@ class ModelRunner:
             if done + n == len(seq.token_ids):
                 sample_rows.append(len(input_ids) - 1)
                 sample_seqs.append(i)
-        meta = AttentionMetadata.build(
-            self.cache.block_size,
-            [seqs[i].block_table.block_ids for i in order],
-            [seqs[i].num_computed for i in order],
-            [num_new[i] for i in order],
-        )
+        tables = [seqs[i].block_table.block_ids for i in order]
+        computed = [seqs[i].num_computed for i in order]
+        new = [num_new[i] for i in order]
+        if len(input_ids) == 1:  # one row takes another matmul kernel: run it twice (see above)
+            input_ids, positions, tables, computed, new = (
+                input_ids * 2,
+                positions * 2,
+                tables * 2,
+                computed * 2,
+                new * 2,
+            )
+        meta = AttentionMetadata.build(self.cache.block_size, self.group, tables, computed, new)
         hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), self.backend, meta)
         result: list[int | None] = [None] * len(seqs)
         if sample_rows:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from pathlib import Path
 
 import pytest
@@ -55,12 +56,98 @@ def test_greedy_equals_transformers_generate(engine: Engine, smollm2_dir: Path) 
         assert tokens(outs[f"r{i}"]) == expected
 
 
-def test_concurrent_requests_equal_one_at_a_time(engine: Engine) -> None:
-    params = SamplingParams(max_tokens=20, temperature=0.0)
-    alone = {q: tokens(run(engine, [EngineRequest("a", chat(engine, q), params)])["a"]) for q in QUESTIONS}
-    together = run(engine, [EngineRequest(q, chat(engine, q), params) for q in QUESTIONS])
-    assert {q: tokens(together[q]) for q in QUESTIONS} == alone
-    assert not engine.has_unfinished()
+# 16 prompts from a few tokens to several hundred, so batches mix long chunked prefills with decodes.
+BATCH_PROMPTS = [
+    "Hi!",
+    "What is 7 times 8?",
+    "Name three primary colors.",
+    "Translate 'good morning' into French.",
+    "Write a haiku about the sea.",
+    "What is the boiling point of water at sea level in Celsius?",
+    "Give me two tips for staying focused while studying for exams.",
+    "Explain in two sentences why the sky looks blue during the day.",
+    "List the planets of the solar system in order from the sun.",
+    "Summarize this: " + "The quick brown fox jumps over the lazy dog. " * 12,
+    "What does a compiler do? Answer briefly.",
+    "Write a Python function that returns the square of a number.",
+    "Describe a cat to someone who has never seen one. " + "Be vivid and specific. " * 20,
+    "Why do leaves change color in autumn?",
+    "Tell me a short joke about programmers.",
+    "Here are some notes: " + " ".join(f"item {i} costs {i * 3} dollars;" for i in range(60)) + " What is the total?",
+]
+
+
+def next_token_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
+    """The model's logits after `ids`, from one plain prefill on a private cache (the reference path)."""
+    from engines.attention import AttentionMetadata, TorchPagedAttention
+    from engines.kv_cache import PagedKVCache
+
+    cfg, bs = engine.model.config, 16
+    blocks = -(-len(ids) // bs)
+    cache = PagedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, blocks, bs, engine.dtype)
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    meta = AttentionMetadata.build(bs, group, [list(range(blocks))], [0], [len(ids)])
+    with torch.inference_mode():
+        hidden = engine.model(torch.tensor(ids), torch.arange(len(ids)), TorchPagedAttention(cache), meta)
+        return engine.model.compute_logits(hidden[-1:])[0]
+
+
+def divergence_is_a_near_tie(engine: Engine, prompt: list[int], a: list[int], b: list[int]) -> bool:
+    """Where two greedy outputs first differ, both tokens are the top two and at most 2 bf16 ulps apart."""
+    j = next(i for i in range(min(len(a), len(b))) if a[i] != b[i])
+    logits = next_token_logits(engine, prompt + a[:j])
+    top2 = set(logits.topk(2).indices.tolist())
+    ulp = 2.0 ** (math.floor(math.log2(abs(float(logits.max())))) - 7)
+    return {a[j], b[j]} == top2 and abs(float(logits[a[j]] - logits[b[j]])) <= 2 * ulp
+
+
+def batched_and_alone(engine: Engine) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+    """(prompts, one-at-a-time outputs, outputs of all 16 submitted together), greedy."""
+    prompts = [chat(engine, q) for q in BATCH_PROMPTS]
+    assert len(prompts) == 16 and max(map(len, prompts)) > 600 and min(map(len, prompts)) < 40
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    alone = [tokens(run(engine, [EngineRequest("a", p, params)])["a"]) for p in prompts]
+    together = run(engine, [EngineRequest(str(i), p, params) for i, p in enumerate(prompts)])
+    assert engine.stats().kv_blocks_used == 0 and not engine.has_unfinished()
+    return prompts, alone, [tokens(together[str(i)]) for i in range(16)]
+
+
+def test_batched_greedy_equals_one_at_a_time_bf16(smollm2_dir: Path) -> None:
+    # Prefix caching off on both sides: this compares batching alone, not cache state. The batch's
+    # 1,700 prompt tokens go through 512-token steps, so long prompts are chunked beside decodes.
+    engine = Engine.from_dir(smollm2_dir, dtype="bf16", config=EngineConfig(enable_prefix_caching=False))
+    prompts, alone, batched = batched_and_alone(engine)
+    exact = sum(a == b for a, b in zip(alone, batched, strict=True))
+    assert exact >= 15, f"only {exact} of 16 batched outputs equal their one-at-a-time outputs"
+    for p, a, b in zip(prompts, alone, batched, strict=True):
+        assert a == b or divergence_is_a_near_tie(engine, p, a, b)
+
+
+def test_batched_greedy_equals_one_at_a_time_fp32_with_prefix_cache(smollm2_dir: Path) -> None:
+    engine = Engine.from_dir(smollm2_dir, dtype="fp32", config=EngineConfig(max_num_batched_tokens=128))
+    _, alone, batched = batched_and_alone(engine)
+    assert batched == alone
+    assert engine.stats().prefix_hit_tokens > 0
+
+
+def test_prefix_cache_hit_gives_the_cold_output(smollm2_dir: Path) -> None:
+    system = "You are a careful assistant for a hardware store. " + "Answer politely and precisely. " * 40
+    questions = ["Do you sell hammers?", "What are your opening hours?"]
+    cold = Engine.from_dir(smollm2_dir, dtype="bf16", config=EngineConfig(enable_prefix_caching=False))
+    warm = Engine.from_dir(smollm2_dir, dtype="bf16")
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    for i, q in enumerate(questions):
+        prompt = cold.tokenizer.encode_chat([{"role": "system", "content": system}, {"role": "user", "content": q}])
+        expected = tokens(run(cold, [EngineRequest("c", prompt, params)])["c"])
+        before = warm.stats().prefix_hit_tokens
+        got = tokens(run(warm, [EngineRequest(f"w{i}", prompt, params)])[f"w{i}"])
+        again = tokens(run(warm, [EngineRequest(f"again{i}", prompt, params)])[f"again{i}"])
+        assert got == expected and again == expected
+        hits = warm.stats().prefix_hit_tokens - before
+        assert hits >= len(prompt) - 16  # the repeat hits all but the last partial block
+        if i == 1:
+            assert hits > 400  # the first question already cached the shared system prompt
+    assert cold.stats().prefix_hit_tokens == 0
 
 
 def test_streamed_text_is_the_decoded_output(engine: Engine) -> None:

@@ -31,7 +31,8 @@ def run_in_pieces(model: LlamaForCausalLM, ids: torch.Tensor, cuts: list[int], b
     table = torch.randperm(needed + 3, generator=torch.Generator().manual_seed(0))[:needed].tolist()
     backend, out, start = TorchPagedAttention(cache), [], 0
     for end in [*cuts, *range(cuts[-1] + 1, len(ids) + 1)]:
-        meta = AttentionMetadata.build(block_size, [table], [start], [end - start])
+        group = cfg.num_attention_heads // cfg.num_key_value_heads
+        meta = AttentionMetadata.build(block_size, group, [table], [start], [end - start])
         hidden = model(ids[start:end], torch.arange(start, end), backend, meta)
         out.append(model.compute_logits(hidden))
         start = end

@@ -43,7 +43,7 @@ def test_mixed_batch_matches_per_sequence_attention(dtype: torch.dtype, tol: flo
             k_cache[table[pos // BS], pos % BS] = k[pos]
             v_cache[table[pos // BS], pos % BS] = v[pos]
     q = [torch.randn(new, HEADS, DIM, generator=gen).to(dtype) for _, new in shapes]
-    meta = AttentionMetadata.build(BS, tables, [p for p, _ in shapes], [n for _, n in shapes])
+    meta = AttentionMetadata.build(BS, HEADS // KV_HEADS, tables, [p for p, _ in shapes], [n for _, n in shapes])
     assert meta.num_decode == 4 and len(meta.extends) == 3
     new_k = torch.cat([k[p:] for k, (p, _) in zip(full_k, shapes, strict=True)])
     new_v = torch.cat([v[p:] for v, (p, _) in zip(full_v, shapes, strict=True)])
@@ -58,7 +58,12 @@ def test_mixed_batch_matches_per_sequence_attention(dtype: torch.dtype, tol: flo
             assert torch.equal(k_cache[table[pos // BS], pos % BS], k[pos])
 
 
-def test_a_single_decode_needs_no_mask() -> None:
-    meta = AttentionMetadata.build(BS, [[3, 1, 2]], [9], [1])
-    assert meta.decode_mask is None and meta.decode_context_len == 10
-    assert meta.slot_mapping.tolist() == [2 * BS + 1]
+def test_key_widths_are_padded_to_multiples_of_16() -> None:
+    meta = AttentionMetadata.build(BS, 3, [[3, 1, 2], [5]], [9, 2], [1, 1])
+    assert meta.slot_mapping.tolist() == [2 * BS + 1, 5 * BS + 2]
+    assert meta.decode_block_tables is not None and meta.decode_block_tables.tolist() == [[3, 1, 2, 0], [5, 0, 0, 0]]
+    assert meta.decode_mask is not None and meta.decode_mask.shape == (2, 1, 1, 16)
+    assert meta.decode_mask[:, 0, 0].sum(-1).tolist() == [10, 3]
+    chunk = AttentionMetadata.build(BS, 3, [[7, 8]], [2], [5]).extends[0]
+    assert chunk.block_ids.tolist() == [7, 8, 0, 0] and chunk.mask.shape == (15, 16)
+    assert chunk.mask.sum(-1).tolist() == [3, 3, 3, 4, 4, 4, 5, 5, 5, 6, 6, 6, 7, 7, 7]
