@@ -74,6 +74,8 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[BlockHash, int] = {}
         self._queried = self._hits = self._evictions = 0
+        self._used_before = [False] * num_blocks
+        self.first_use: list[int] = []  # blocks handed out for the first time; the engine zeroes them
 
     # --- queries -----------------------------------------------------------------------------------
 
@@ -159,6 +161,9 @@ class BlockManager:
                 self._evictions += 1
             block.ref_count = 1
             table.block_ids.append(block_id)
+            if not self._used_before[block_id]:
+                self._used_before[block_id] = True
+                self.first_use.append(block_id)
 
     def free(self, table: BlockTable) -> None:
         """Release a sequence's blocks; cached ones stay reusable until evicted."""

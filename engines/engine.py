@@ -173,6 +173,9 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
+        if fresh := self.block_manager.first_use:
+            self.cache.zero_blocks(fresh)
+            fresh.clear()
         sampled = self.runner.run(batch.seqs, batch.num_new)
         outputs = []
         for seq, n, token in zip(batch.seqs, batch.num_new, sampled, strict=True):
