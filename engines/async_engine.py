@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engines.engine import Engine
+from engines.engine import Engine, EngineStats
 from engines.request import EngineRequest, FinishReason, RequestOutput
 from engines.tokenizer import Tokenizer
 
@@ -59,6 +59,10 @@ class AsyncEngine:
         the engine thread ends with an ERROR output saying why.
         """
         self.engine.check(prompt_token_ids, max_tokens)
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's counters (read from another thread: each field is current)."""
+        return self.engine.stats()
 
     @property
     def alive(self) -> bool:

@@ -11,7 +11,7 @@ from fastapi import FastAPI
 
 from engines.async_engine import AsyncEngine
 from gateway import errors
-from gateway.api import health, openai
+from gateway.api import admin, health, openai
 from gateway.body_limit import BodySizeLimit
 from gateway.db.database import Database
 from gateway.pipeline import Pipeline
@@ -67,5 +67,6 @@ def create_app(
     app.state.settings = settings
     errors.install(app)
     app.include_router(openai.router)
+    app.include_router(admin.router)
     app.include_router(health.router)
     return app

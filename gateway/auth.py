@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Annotated
 
 import anyio
@@ -33,3 +34,21 @@ def _mask(key: str) -> str:
 
 
 CurrentPrincipal = Annotated[Principal, Depends(require_principal)]
+
+
+def require_role(*roles: str) -> Callable[[Principal], Awaitable[Principal]]:
+    """A dependency that lets only keys with one of `roles` through (403 otherwise)."""
+
+    async def check(principal: CurrentPrincipal) -> Principal:
+        if principal.role not in roles:
+            raise APIError(
+                403,
+                f"This endpoint needs a key with the {' or '.join(roles)} role; this key's role is {principal.role}.",
+                code="insufficient_role",
+            )
+        return principal
+
+    return check
+
+
+AdminPrincipal = Annotated[Principal, Depends(require_role("admin"))]

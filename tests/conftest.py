@@ -8,12 +8,10 @@ is created fresh and dropped afterwards.
 from __future__ import annotations
 
 import os
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import sqlalchemy as sa
 
 import services
 from engines.async_engine import AsyncEngine
@@ -63,7 +61,7 @@ def postgres_server() -> Iterator[str]:
 @pytest.fixture
 def postgres_url(postgres_server: str) -> Iterator[str]:
     """A fresh, empty PostgreSQL database for one test."""
-    url, drop = _create_pg_database(postgres_server)
+    url, drop = services.create_database(postgres_server)
     yield url
     drop()
 
@@ -116,7 +114,7 @@ def live_server(
         url, drop = f"sqlite:///{home / 'switchboard.db'}", None
     else:
         server_url = request.getfixturevalue("postgres_server")
-        url, drop = _create_pg_database(server_url)
+        url, drop = services.create_database(server_url)
     db = Database(url)
     settings = Settings(home=home, database_url=url, max_request_bytes=256 * 1024, tiers={"small": {"model": "unused"}})
     app = create_app(settings, engines={"small": small_engine}, database=db)
@@ -126,17 +124,3 @@ def live_server(
     db.dispose()
     if drop:
         drop()
-
-
-def _create_pg_database(server_url: str) -> tuple[str, Callable[[], None]]:
-    admin = sa.create_engine(server_url, isolation_level="AUTOCOMMIT")
-    name = f"sb_test_{uuid.uuid4().hex[:12]}"
-    with admin.connect() as conn:
-        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
-
-    def drop() -> None:
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
-
-    return sa.make_url(server_url).set(database=name).render_as_string(hide_password=False), drop

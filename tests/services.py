@@ -14,8 +14,11 @@ import socket
 import subprocess
 import tempfile
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
+
+import sqlalchemy as sa
 
 _cleanups: list[Callable[[], None]] = []
 
@@ -111,3 +114,18 @@ def _throwaway_redis() -> str:
             raise RuntimeError("redis-server did not start")
         time.sleep(0.05)
     return f"redis://127.0.0.1:{port}/0"
+
+
+def create_database(server_url: str) -> tuple[str, Callable[[], None]]:
+    """A fresh, empty database on `server_url`; returns its URL and a function that drops it."""
+    admin = sa.create_engine(server_url, isolation_level="AUTOCOMMIT")
+    name = f"sb_test_{uuid.uuid4().hex[:12]}"
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+
+    def drop() -> None:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+    return sa.make_url(server_url).set(database=name).render_as_string(hide_password=False), drop

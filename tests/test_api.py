@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import Iterator
@@ -14,7 +13,7 @@ import pytest
 from transformers import PreTrainedTokenizerBase
 
 from engines.async_engine import AsyncEngine
-from gateway.tenants import authenticate, revoke_key
+from gateway.tenants import authenticate, create_key, revoke_key
 from live import LiveServer, start_server
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
@@ -355,24 +354,17 @@ def test_a_stopped_engine_answers_503(small_engine: AsyncEngine, tmp_path: Path)
         db.dispose()
 
 
-def test_concurrent_requests_get_their_own_answers(live_server: LiveServer, key: str) -> None:
-    questions = ["What is 2+2?", "Name a color.", "What is the capital of Italy?", "Say hello.", "Name a fruit."]
-
-    async def ask(client: openai.AsyncOpenAI, question: str, stream: bool) -> str:
-        messages = [{"role": "user", "content": question}]
-        if not stream:
-            r = await client.chat.completions.create(model="small", messages=messages, temperature=0, max_tokens=12)
-            return r.choices[0].message.content
-        chunks = await client.chat.completions.create(
-            model="small", messages=messages, temperature=0, max_tokens=12, stream=True
-        )
-        return "".join([c.choices[0].delta.content or "" async for c in chunks])
-
-    async def main() -> None:
-        client = openai.AsyncOpenAI(base_url=f"{live_server.base_url}/v1", api_key=key, max_retries=0)
-        alone = [await ask(client, q, False) for q in questions]
-        together = await asyncio.gather(*(ask(client, q, i % 2 == 1) for i, q in enumerate(questions * 2)))
-        assert together == alone * 2
-        await client.close()
-
-    asyncio.run(main())
+def test_engine_stats_need_an_admin_key(live_server: LiveServer, key: str) -> None:
+    url = f"{live_server.base_url}/v1/engine/stats"
+    denied = httpx.get(url, headers={"Authorization": f"Bearer {key}"})
+    assert_openai_error(denied, 403)
+    assert denied.json()["error"]["type"] == "permission_error"
+    assert_openai_error(httpx.get(url), 401)
+    principal = authenticate(live_server.db, key)
+    assert principal is not None
+    admin = create_key(live_server.db, principal.tenant_name, "admin").key
+    stats = httpx.get(url, headers={"Authorization": f"Bearer {admin}"})
+    assert stats.status_code == 200
+    small = stats.json()["small"]
+    assert small["alive"] is True and small["kv_blocks_total"] > 0 and small["block_size"] == 16
+    assert {"waiting", "running", "kv_utilization", "prefix_hit_rate", "step_ms_p50", "preemptions"} <= small.keys()
