@@ -5,11 +5,15 @@ one-token queries (decodes) first, then multi-token spans (prefill chunks). A ba
 keys and values through `slot_mapping`, answers `forward_decode` for the first rows and
 `forward_extend` for the spans; a Triton backend slots in beside this one behind the same calls.
 
-Batch invariance: a token's attention output must not depend on what else shares the step, or greedy
-answers would change with server load. On this CPU, bf16 SDPA with an explicit mask gives bit-identical
-rows for every key width that is a multiple of 16 and any batch size, and a decode row equals the
-same row of a full prefill when the query heads that share a KV head are folded into the query axis.
-So every path here uses that one form: folded queries, masked keys, widths padded to 16.
+The torch backend computes attention as two batched matmuls around an fp32 softmax, with the query
+heads that share a KV head folded into that head's query rows (GQA without copying keys). Two reasons:
+- Speed: a decode query is a few rows; fused CPU SDPA packs the keys for every (sequence, head) pair
+  and ran 2.5x slower at 32 sequences. Accuracy matches it (top-1 agreement with fp32: 96.2% vs 96.4%
+  over 391 SmolLM2 positions), as the scores are rounded to bf16 like HF's eager attention.
+- Batch invariance: every row of a bf16 matmul here is bit-identical whatever the number of rows or
+  batch entries, and masked key slots (widths padded to multiples of 16) add exact zeros. So a token's
+  output does not depend on what shares its step, how its prompt was chunked, or whether its prefix
+  came from the cache: greedy answers do not change with server load.
 """
 
 from __future__ import annotations
@@ -19,11 +23,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
 from engines.kv_cache import PagedKVCache
 
-WIDTH_MULTIPLE = 16  # key widths are padded to this many tokens (see the module docstring)
+WIDTH_MULTIPLE = 16  # key widths are padded to this many tokens
+EXTEND_ROWS = 128  # query tokens per matmul in a chunk: each block reads keys only up to its own end
 
 
 @dataclass(frozen=True)
@@ -32,8 +36,8 @@ class ExtendSpan:
 
     start: int
     num_new: int
-    block_ids: torch.Tensor  # blocks holding its whole context, padded to the key width
-    mask: torch.Tensor  # (num_new * group, width) bool: cached prefix and, causally, the chunk itself
+    num_computed: int  # tokens cached before this chunk (its first position)
+    block_ids: torch.Tensor  # blocks holding its whole context, padded to a multiple of 16 tokens
 
 
 @dataclass(frozen=True)
@@ -41,24 +45,18 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # (num_tokens,) cache slot of each new token's key and value
     num_decode: int  # the first rows: one query token per sequence
     decode_block_tables: torch.Tensor | None  # (num_decode, blocks), padded with block 0
-    decode_mask: torch.Tensor | None  # (num_decode, 1, 1, blocks * block_size) bool
+    decode_mask: torch.Tensor | None  # (num_decode, 1, 1, blocks * block_size) bool, True = attend
     extends: tuple[ExtendSpan, ...]
 
     @classmethod
     def build(
-        cls,
-        block_size: int,
-        group: int,
-        block_tables: list[list[int]],
-        num_computed: list[int],
-        num_new: list[int],
+        cls, block_size: int, block_tables: list[list[int]], num_computed: list[int], num_new: list[int]
     ) -> AttentionMetadata:
         """Metadata for sequences in batch order, one-token queries first.
 
-        `group`: query heads per KV head. `block_tables[i]` must cover `num_computed[i] + num_new[i]`.
+        `block_tables[i]` must cover `num_computed[i] + num_new[i]` tokens.
         """
-        # Pad tables to whole multiples of WIDTH_MULTIPLE tokens whatever the block size.
-        pad_to = WIDTH_MULTIPLE // math.gcd(block_size, WIDTH_MULTIPLE)
+        pad_to = WIDTH_MULTIPLE // math.gcd(block_size, WIDTH_MULTIPLE)  # blocks per 16-token multiple
         slots: list[torch.Tensor] = []
         num_decode = 0
         while num_decode < len(num_new) and num_new[num_decode] == 1:
@@ -76,14 +74,12 @@ class AttentionMetadata:
         row = num_decode
         rest = zip(block_tables[num_decode:], num_computed[num_decode:], num_new[num_decode:], strict=True)
         for table, done, n in rest:
-            ctx = done + n
-            used = -(-ctx // block_size)
+            used = -(-(done + n) // block_size)
             blocks = -(-used // pad_to) * pad_to
             ids = torch.tensor(table[:used] + [0] * (blocks - used), dtype=torch.long)
-            positions = torch.arange(done, ctx)
+            positions = torch.arange(done, done + n)
             slots.append(ids[positions // block_size] * block_size + positions % block_size)
-            mask = torch.arange(blocks * block_size).unsqueeze(0) <= positions.unsqueeze(1)
-            extends.append(ExtendSpan(row, n, ids, mask.repeat_interleave(group, dim=0)))
+            extends.append(ExtendSpan(row, n, done, ids))
             row += n
         slot_mapping = torch.cat(slots) if slots else torch.empty(0, dtype=torch.long)
         return cls(slot_mapping, num_decode, decode_tables, decode_mask, tuple(extends))
@@ -98,7 +94,7 @@ class AttentionBackend(Protocol):
 
 
 class TorchPagedAttention:
-    """Pure-torch paged attention: gathers each sequence's blocks and runs fused SDPA."""
+    """Pure-torch paged attention: gathers each sequence's blocks, then matmul, softmax, matmul."""
 
     def __init__(self, cache: PagedKVCache) -> None:
         self.cache = cache
@@ -108,9 +104,9 @@ class TorchPagedAttention:
     ) -> torch.Tensor:
         """q (tokens, heads, dim), k/v (tokens, kv_heads, dim) → (tokens, heads, dim)."""
         k_cache, v_cache = self.cache.layer(layer)
-        _, _, kv_heads, dim = k_cache.shape
-        k_cache.view(-1, kv_heads, dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, kv_heads, dim).index_copy_(0, meta.slot_mapping, v)
+        kv_heads, _, _, dim = k_cache.shape
+        k_cache.view(kv_heads, -1, dim).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        v_cache.view(kv_heads, -1, dim).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         if not meta.extends:
             return self.forward_decode(q, k_cache, v_cache, meta)
         out = torch.empty_like(q)
@@ -125,27 +121,42 @@ class TorchPagedAttention:
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """One query per sequence, batched: (b, heads, dim) → (b, heads, dim)."""
-        tables = meta.decode_block_tables
-        assert tables is not None
+        tables, mask = meta.decode_block_tables, meta.decode_mask
+        assert tables is not None and mask is not None
         b, blocks = tables.shape
-        _, bs, kv_heads, dim = k_cache.shape
+        kv_heads, _, bs, dim = k_cache.shape
         flat = tables.view(-1)
-        keys = k_cache.index_select(0, flat).view(b, blocks * bs, kv_heads, dim).transpose(1, 2)
-        values = v_cache.index_select(0, flat).view(b, blocks * bs, kv_heads, dim).transpose(1, 2)
+        # Heads lead: (kv_heads, b, width, dim) straight from the gather, so the matmuls need no copy.
+        keys = k_cache.index_select(1, flat).view(kv_heads, b, blocks * bs, dim)
+        values = v_cache.index_select(1, flat).view(kv_heads, b, blocks * bs, dim)
         group = q.shape[1] // kv_heads
-        # The query heads sharing a KV head become its query rows: plain MHA, no GQA expansion.
-        out = F.scaled_dot_product_attention(q.view(b, kv_heads, group, dim), keys, values, attn_mask=meta.decode_mask)
-        return out.reshape(b, kv_heads * group, dim)
+        out = _attend(q.view(b, kv_heads, group, dim).transpose(0, 1), keys, values, mask.view(1, b, 1, -1))
+        return out.transpose(0, 1).reshape(b, kv_heads * group, dim)
 
     def forward_extend(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, span: ExtendSpan
     ) -> torch.Tensor:
         """One sequence's chunk against its whole context: (n, heads, dim) → (n, heads, dim)."""
         n, heads, dim = q.shape
-        kv_heads = k_cache.shape[2]
+        kv_heads = k_cache.shape[0]
         group = heads // kv_heads
-        keys = k_cache.index_select(0, span.block_ids).view(1, -1, kv_heads, dim).transpose(1, 2)
-        values = v_cache.index_select(0, span.block_ids).view(1, -1, kv_heads, dim).transpose(1, 2)
-        folded = q.view(n, kv_heads, group, dim).transpose(0, 1).reshape(1, kv_heads, n * group, dim)
-        out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=span.mask)
-        return out.view(kv_heads, n, group, dim).transpose(0, 1).reshape(n, heads, dim)
+        keys = k_cache.index_select(1, span.block_ids).view(kv_heads, -1, dim)
+        values = v_cache.index_select(1, span.block_ids).view(kv_heads, -1, dim)
+        folded = q.view(n, kv_heads, group, dim).permute(1, 0, 2, 3)  # (kv_heads, n, group, dim)
+        out = torch.empty(kv_heads, n, group, dim, dtype=q.dtype)
+        for lo in range(0, n, EXTEND_ROWS):  # causal: a block of rows needs keys up to its end only
+            hi = min(n, lo + EXTEND_ROWS)
+            first, last = span.num_computed + lo, span.num_computed + hi  # positions [first, last)
+            width = -(-last // WIDTH_MULTIPLE) * WIDTH_MULTIPLE
+            rows = folded[:, lo:hi].reshape(kv_heads, (hi - lo) * group, dim)
+            allowed = torch.arange(width) <= torch.arange(first, last).repeat_interleave(group).unsqueeze(1)
+            block = _attend(rows, keys[:, :width], values[:, :width], allowed)
+            out[:, lo:hi] = block.view(kv_heads, hi - lo, group, dim)
+        return out.permute(1, 0, 2, 3).reshape(n, heads, dim)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """softmax(q kᵀ / √d, masked) v over (..., rows, dim) × (..., keys, dim); fp32 softmax."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).float()
+    scores.mul_(q.shape[-1] ** -0.5).masked_fill_(~allowed, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)

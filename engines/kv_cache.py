@@ -20,18 +20,18 @@ class PagedKVCache:
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        # (layers, k|v, blocks, block_size, kv_heads, head_dim): a block is one contiguous run of
-        # memory per layer, so gathering a sequence's context copies whole blocks.
+        # (layers, k|v, kv_heads, blocks, block_size, head_dim): a block is one contiguous run per
+        # head, so a gathered context is one contiguous (tokens, head_dim) matrix per head.
         # Empty, so starting does not touch every page; `zero_blocks` clears a block before its first
         # use, because attention reads masked slots too and 0 × NaN garbage would be NaN.
-        self.buffer = torch.empty(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+        self.buffer = torch.empty(num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype)
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer's keys and values, each (blocks, block_size, kv_heads, head_dim)."""
+        """This layer's keys and values, each (kv_heads, blocks, block_size, head_dim)."""
         return self.buffer[layer, 0], self.buffer[layer, 1]
 
     def zero_blocks(self, block_ids: list[int]) -> None:
-        self.buffer[:, :, torch.tensor(block_ids, dtype=torch.long)] = 0
+        self.buffer[:, :, :, torch.tensor(block_ids, dtype=torch.long)] = 0
 
     @property
     def nbytes(self) -> int:

@@ -25,8 +25,6 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.backend = TorchPagedAttention(cache)
-        cfg = model.config
-        self.group = cfg.num_attention_heads // cfg.num_key_value_heads
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], num_new: list[int]) -> list[int | None]:
@@ -56,7 +54,7 @@ class ModelRunner:
                 computed * 2,
                 new * 2,
             )
-        meta = AttentionMetadata.build(self.cache.block_size, self.group, tables, computed, new)
+        meta = AttentionMetadata.build(self.cache.block_size, tables, computed, new)
         hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), self.backend, meta)
         result: list[int | None] = [None] * len(seqs)
         if sample_rows:

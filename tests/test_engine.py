@@ -86,8 +86,7 @@ def next_token_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
     blocks = -(-len(ids) // bs)
     cache = PagedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, blocks, bs, engine.dtype)
     cache.zero_blocks(list(range(blocks)))  # as the engine does before a block's first use
-    group = cfg.num_attention_heads // cfg.num_key_value_heads
-    meta = AttentionMetadata.build(bs, group, [list(range(blocks))], [0], [len(ids)])
+    meta = AttentionMetadata.build(bs, [list(range(blocks))], [0], [len(ids)])
     with torch.inference_mode():
         hidden = engine.model(torch.tensor(ids), torch.arange(len(ids)), TorchPagedAttention(cache), meta)
         return engine.model.compute_logits(hidden[-1:])[0]

@@ -32,8 +32,7 @@ def run_in_pieces(model: LlamaForCausalLM, ids: torch.Tensor, cuts: list[int], b
     cache.zero_blocks(list(range(needed + 3)))  # as the engine does before a block's first use
     backend, out, start = TorchPagedAttention(cache), [], 0
     for end in [*cuts, *range(cuts[-1] + 1, len(ids) + 1)]:
-        group = cfg.num_attention_heads // cfg.num_key_value_heads
-        meta = AttentionMetadata.build(block_size, group, [table], [start], [end - start])
+        meta = AttentionMetadata.build(block_size, [table], [start], [end - start])
         hidden = model(ids[start:end], torch.arange(start, end), backend, meta)
         out.append(model.compute_logits(hidden))
         start = end

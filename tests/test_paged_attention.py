@@ -39,10 +39,10 @@ def test_mixed_batch_matches_per_sequence_attention(dtype: torch.dtype, tol: flo
     k_cache, v_cache = cache.layer(0)
     for table, (past, _), k, v in zip(tables, shapes, full_k, full_v, strict=True):
         for pos in range(past):  # what earlier steps stored
-            k_cache[table[pos // BS], pos % BS] = k[pos]
-            v_cache[table[pos // BS], pos % BS] = v[pos]
+            k_cache[:, table[pos // BS], pos % BS] = k[pos]
+            v_cache[:, table[pos // BS], pos % BS] = v[pos]
     q = [torch.randn(new, HEADS, DIM, generator=gen).to(dtype) for _, new in shapes]
-    meta = AttentionMetadata.build(BS, HEADS // KV_HEADS, tables, [p for p, _ in shapes], [n for _, n in shapes])
+    meta = AttentionMetadata.build(BS, tables, [p for p, _ in shapes], [n for _, n in shapes])
     assert meta.num_decode == 4 and len(meta.extends) == 3
     new_k = torch.cat([k[p:] for k, (p, _) in zip(full_k, shapes, strict=True)])
     new_v = torch.cat([v[p:] for v, (p, _) in zip(full_v, shapes, strict=True)])
@@ -54,7 +54,7 @@ def test_mixed_batch_matches_per_sequence_attention(dtype: torch.dtype, tol: flo
         row += new
     for table, k, (past, new) in zip(tables, full_k, shapes, strict=True):  # the new keys were stored
         for pos in range(past, past + new):
-            assert torch.equal(k_cache[table[pos // BS], pos % BS], k[pos])
+            assert torch.equal(k_cache[:, table[pos // BS], pos % BS], k[pos])
 
 
 def test_blocks_are_zeroed_before_their_first_use() -> None:
@@ -68,18 +68,57 @@ def test_blocks_are_zeroed_before_their_first_use() -> None:
     assert sorted(bm.first_use) == sorted(table.block_ids)
     cache.zero_blocks(bm.first_use)
     bm.first_use.clear()
-    assert not cache.buffer[:, :, table.block_ids].isnan().any()
+    assert not cache.buffer[:, :, :, table.block_ids].isnan().any()
     bm.free(table)
     bm.allocate(BlockTable("m"), 3)
     assert bm.first_use == []  # reused blocks hold finite stale data: masked, never NaN
 
 
 def test_key_widths_are_padded_to_multiples_of_16() -> None:
-    meta = AttentionMetadata.build(BS, 3, [[3, 1, 2], [5]], [9, 2], [1, 1])
+    meta = AttentionMetadata.build(BS, [[3, 1, 2], [5]], [9, 2], [1, 1])
     assert meta.slot_mapping.tolist() == [2 * BS + 1, 5 * BS + 2]
     assert meta.decode_block_tables is not None and meta.decode_block_tables.tolist() == [[3, 1, 2, 0], [5, 0, 0, 0]]
     assert meta.decode_mask is not None and meta.decode_mask.shape == (2, 1, 1, 16)
     assert meta.decode_mask[:, 0, 0].sum(-1).tolist() == [10, 3]
-    chunk = AttentionMetadata.build(BS, 3, [[7, 8]], [2], [5]).extends[0]
-    assert chunk.block_ids.tolist() == [7, 8, 0, 0] and chunk.mask.shape == (15, 16)
-    assert chunk.mask.sum(-1).tolist() == [3, 3, 3, 4, 4, 4, 5, 5, 5, 6, 6, 6, 7, 7, 7]
+    chunk = AttentionMetadata.build(BS, [[7, 8]], [2], [5]).extends[0]
+    assert chunk.block_ids.tolist() == [7, 8, 0, 0] and chunk.num_computed == 2
+
+
+def test_a_token_gets_the_same_bits_however_it_is_batched_or_chunked() -> None:
+    """bf16: a sequence's outputs are identical alone, in a batch, chunked, or after a cached prefix."""
+    gen = torch.Generator().manual_seed(3)
+    dtype, n = torch.bfloat16, 37
+    k = torch.randn(n, KV_HEADS, DIM, generator=gen).to(dtype)
+    v = torch.randn(n, KV_HEADS, DIM, generator=gen).to(dtype)
+    q = torch.randn(n, HEADS, DIM, generator=gen).to(dtype)
+    table = list(range(-(-n // BS)))
+
+    def attend(pieces: list[tuple[int, int]], others: int) -> torch.Tensor:
+        """Compute positions piece by piece; `others` unrelated decodes share every step."""
+        cache = PagedKVCache(1, KV_HEADS, DIM, BLOCKS, BS, dtype)
+        cache.buffer.normal_(generator=gen)
+        backend, outs = TorchPagedAttention(cache), []
+        for start, end in pieces:
+            noise_tables = [[BLOCKS - 1 - i] for i in range(others)]
+            meta = AttentionMetadata.build(
+                BS,
+                [*noise_tables, table],
+                [2] * others + [start],
+                [1] * others + [end - start],
+            )
+            noise_q = torch.randn(others, HEADS, DIM, generator=gen).to(dtype)
+            noise_kv = torch.randn(others, KV_HEADS, DIM, generator=gen).to(dtype)
+            out = backend.forward(
+                0,
+                torch.cat([noise_q, q[start:end]]),
+                torch.cat([noise_kv, k[start:end]]),
+                torch.cat([noise_kv, v[start:end]]),
+                meta,
+            )
+            outs.append(out[others:])
+        return torch.cat(outs)
+
+    whole = attend([(0, n)], 0)
+    assert torch.equal(attend([(0, 16), (16, 30), (30, 36), (36, 37)], 0), whole)  # chunks, then a decode
+    assert torch.equal(attend([(0, 5), (5, 37)], 7), whole)  # beside 7 other sequences
+    assert torch.equal(attend([(i, i + 1) for i in range(n)], 3), whole)  # token by token
