@@ -58,7 +58,8 @@ class ModelRunner:
         hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), self.backend, meta)
         result: list[int | None] = [None] * len(seqs)
         if sample_rows:
-            logits = self.model.compute_logits(hidden[sample_rows])
+            rows = sample_rows if len(sample_rows) > 1 else sample_rows * 2  # the lm_head too: never one row
+            logits = self.model.compute_logits(hidden[rows])[: len(sample_rows)]
             tokens = sample(logits, [seqs[i].sampling for i in sample_seqs])
             for i, token in zip(sample_seqs, tokens, strict=True):
                 result[i] = token

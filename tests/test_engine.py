@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import math
 from pathlib import Path
 
 import pytest
@@ -77,55 +76,24 @@ BATCH_PROMPTS = [
 ]
 
 
-def next_token_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
-    """The model's logits after `ids`, from one plain prefill on a private cache (the reference path)."""
-    from engines.attention import AttentionMetadata, TorchPagedAttention
-    from engines.kv_cache import PagedKVCache
-
-    cfg, bs = engine.model.config, 16
-    blocks = -(-len(ids) // bs)
-    cache = PagedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, blocks, bs, engine.dtype)
-    cache.zero_blocks(list(range(blocks)))  # as the engine does before a block's first use
-    meta = AttentionMetadata.build(bs, [list(range(blocks))], [0], [len(ids)])
-    with torch.inference_mode():
-        hidden = engine.model(torch.tensor(ids), torch.arange(len(ids)), TorchPagedAttention(cache), meta)
-        return engine.model.compute_logits(hidden[-1:])[0]
-
-
-def divergence_is_a_near_tie(engine: Engine, prompt: list[int], a: list[int], b: list[int]) -> bool:
-    """Where two greedy outputs first differ, both tokens are the top two and at most 2 bf16 ulps apart."""
-    j = next(i for i in range(min(len(a), len(b))) if a[i] != b[i])
-    logits = next_token_logits(engine, prompt + a[:j])
-    top2 = set(logits.topk(2).indices.tolist())
-    ulp = 2.0 ** (math.floor(math.log2(abs(float(logits.max())))) - 7)
-    return {a[j], b[j]} == top2 and abs(float(logits[a[j]] - logits[b[j]])) <= 2 * ulp
-
-
-def batched_and_alone(engine: Engine) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
-    """(prompts, one-at-a-time outputs, outputs of all 16 submitted together), greedy."""
+def batched_and_alone(engine: Engine) -> tuple[list[list[int]], list[list[int]]]:
+    """(one-at-a-time outputs, outputs of all 16 submitted together), greedy."""
     prompts = [chat(engine, q) for q in BATCH_PROMPTS]
     assert len(prompts) == 16 and max(map(len, prompts)) > 600 and min(map(len, prompts)) < 40
     params = SamplingParams(max_tokens=24, temperature=0.0)
     alone = [tokens(run(engine, [EngineRequest("a", p, params)])["a"]) for p in prompts]
     together = run(engine, [EngineRequest(str(i), p, params) for i, p in enumerate(prompts)])
     assert engine.stats().kv_blocks_used == 0 and not engine.has_unfinished()
-    return prompts, alone, [tokens(together[str(i)]) for i in range(16)]
+    return alone, [tokens(together[str(i)]) for i in range(16)]
 
 
-def test_batched_greedy_equals_one_at_a_time_bf16(smollm2_dir: Path) -> None:
-    # Prefix caching off on both sides: this compares batching alone, not cache state. The batch's
-    # 1,700 prompt tokens go through 512-token steps, so long prompts are chunked beside decodes.
-    engine = Engine.from_dir(smollm2_dir, dtype="bf16", config=EngineConfig(enable_prefix_caching=False))
-    prompts, alone, batched = batched_and_alone(engine)
-    exact = sum(a == b for a, b in zip(alone, batched, strict=True))
-    assert exact >= 15, f"only {exact} of 16 batched outputs equal their one-at-a-time outputs"
-    for p, a, b in zip(prompts, alone, batched, strict=True):
-        assert a == b or divergence_is_a_near_tie(engine, p, a, b)
-
-
-def test_batched_greedy_equals_one_at_a_time_fp32_with_prefix_cache(smollm2_dir: Path) -> None:
-    engine = Engine.from_dir(smollm2_dir, dtype="fp32", config=EngineConfig(max_num_batched_tokens=128))
-    _, alone, batched = batched_and_alone(engine)
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_batched_greedy_equals_one_at_a_time(smollm2_dir: Path, dtype: str) -> None:
+    # 128-token steps: the batch's 1,700 prompt tokens are chunked beside decodes, and the batched run
+    # hits the prefix cache the one-at-a-time runs filled. Neither may change a single token, in bf16
+    # too: every kernel the engine uses gives the same bits for a row however it is batched.
+    engine = Engine.from_dir(smollm2_dir, dtype=dtype, config=EngineConfig(max_num_batched_tokens=128))
+    alone, batched = batched_and_alone(engine)
     assert batched == alone
     assert engine.stats().prefix_hit_tokens > 0
 
