@@ -28,6 +28,17 @@ from engines.kv_cache import PagedKVCache
 
 WIDTH_MULTIPLE = 16  # key widths are padded to this many tokens
 EXTEND_ROWS = 128  # query tokens per matmul in a chunk: each block reads keys only up to its own end
+GROUP_COST_BLOCKS = 48  # a decode group's fixed cost (its ~8 ops per layer), in padded blocks gathered
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Decode rows [start, end) padded to one key width: the batch's decodes split by context length."""
+
+    start: int
+    end: int
+    block_tables: torch.Tensor  # (rows, blocks), padded with block 0
+    mask: torch.Tensor  # (rows, 1, 1, blocks * block_size) bool, True = attend
 
 
 @dataclass(frozen=True)
@@ -44,32 +55,32 @@ class ExtendSpan:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # (num_tokens,) cache slot of each new token's key and value
     num_decode: int  # the first rows: one query token per sequence
-    decode_block_tables: torch.Tensor | None  # (num_decode, blocks), padded with block 0
-    decode_mask: torch.Tensor | None  # (num_decode, 1, 1, blocks * block_size) bool, True = attend
+    decode_groups: tuple[DecodeGroup, ...]
     extends: tuple[ExtendSpan, ...]
 
     @classmethod
     def build(
         cls, block_size: int, block_tables: list[list[int]], num_computed: list[int], num_new: list[int]
     ) -> AttentionMetadata:
-        """Metadata for sequences in batch order, one-token queries first.
-
-        `block_tables[i]` must cover `num_computed[i] + num_new[i]` tokens.
-        """
+        """Metadata for sequences in batch order, one-token queries first (shortest context first
+        pads least). `block_tables[i]` must cover `num_computed[i] + num_new[i]` tokens."""
         pad_to = WIDTH_MULTIPLE // math.gcd(block_size, WIDTH_MULTIPLE)  # blocks per 16-token multiple
         slots: list[torch.Tensor] = []
         num_decode = 0
         while num_decode < len(num_new) and num_new[num_decode] == 1:
             num_decode += 1
-        decode_tables = decode_mask = None
+        groups = []
         if num_decode:
-            tables = block_tables[:num_decode]
-            width = -(-max(len(t) for t in tables) // pad_to) * pad_to
-            decode_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
-            pos = torch.tensor(num_computed[:num_decode], dtype=torch.long)
-            block_of = decode_tables.gather(1, (pos // block_size).unsqueeze(1)).squeeze(1)
-            slots.append(block_of * block_size + pos % block_size)
-            decode_mask = (torch.arange(width * block_size) <= pos.unsqueeze(1))[:, None, None, :]
+            widths = [-(-len(t) // pad_to) * pad_to for t in block_tables[:num_decode]]
+            for lo, hi in _split_by_width(widths):
+                tables = block_tables[lo:hi]
+                width = max(widths[lo:hi])
+                padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+                pos = torch.tensor(num_computed[lo:hi], dtype=torch.long)
+                block_of = padded.gather(1, (pos // block_size).unsqueeze(1)).squeeze(1)
+                slots.append(block_of * block_size + pos % block_size)
+                mask = (torch.arange(width * block_size) <= pos.unsqueeze(1))[:, None, None, :]
+                groups.append(DecodeGroup(lo, hi, padded, mask))
         extends = []
         row = num_decode
         rest = zip(block_tables[num_decode:], num_computed[num_decode:], num_new[num_decode:], strict=True)
@@ -82,7 +93,7 @@ class AttentionMetadata:
             extends.append(ExtendSpan(row, n, done, ids))
             row += n
         slot_mapping = torch.cat(slots) if slots else torch.empty(0, dtype=torch.long)
-        return cls(slot_mapping, num_decode, decode_tables, decode_mask, tuple(extends))
+        return cls(slot_mapping, num_decode, tuple(groups), tuple(extends))
 
 
 class AttentionBackend(Protocol):
@@ -107,22 +118,22 @@ class TorchPagedAttention:
         kv_heads, _, _, dim = k_cache.shape
         k_cache.view(kv_heads, -1, dim).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
         v_cache.view(kv_heads, -1, dim).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
-        if not meta.extends:
-            return self.forward_decode(q, k_cache, v_cache, meta)
+        if len(meta.decode_groups) == 1 and not meta.extends:
+            return self.forward_decode(q, k_cache, v_cache, meta.decode_groups[0])
         out = torch.empty_like(q)
-        if meta.num_decode:
-            out[: meta.num_decode] = self.forward_decode(q[: meta.num_decode], k_cache, v_cache, meta)
+        for group in meta.decode_groups:
+            rows = slice(group.start, group.end)
+            out[rows] = self.forward_decode(q[rows], k_cache, v_cache, group)
         for span in meta.extends:
             rows = slice(span.start, span.start + span.num_new)
             out[rows] = self.forward_extend(q[rows], k_cache, v_cache, span)
         return out
 
     def forward_decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup
     ) -> torch.Tensor:
         """One query per sequence, batched: (b, heads, dim) → (b, heads, dim)."""
-        tables, mask = meta.decode_block_tables, meta.decode_mask
-        assert tables is not None and mask is not None
+        tables, mask = group.block_tables, group.mask
         b, blocks = tables.shape
         kv_heads, _, bs, dim = k_cache.shape
         flat = tables.view(-1)
@@ -153,6 +164,26 @@ class TorchPagedAttention:
             block = _attend(rows, keys[:, :width], values[:, :width], allowed)
             out[:, lo:hi] = block.view(kv_heads, hi - lo, group, dim)
         return out.permute(1, 0, 2, 3).reshape(n, heads, dim)
+
+
+def _split_by_width(widths: list[int]) -> list[tuple[int, int]]:
+    """Contiguous groups of rows minimising padded blocks gathered plus a fixed cost per group.
+
+    `widths` ascending (the runner sorts decodes by context); a small O(n²) dynamic program.
+    """
+    n = len(widths)
+    best = [0.0] + [math.inf] * n
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):
+            cost = best[i] + (j - i) * widths[j - 1] + GROUP_COST_BLOCKS
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    bounds, j = [], n
+    while j:
+        bounds.append((cut[j], j))
+        j = cut[j]
+    return bounds[::-1]
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:

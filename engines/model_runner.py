@@ -30,7 +30,10 @@ class ModelRunner:
     def run(self, seqs: list[Sequence], num_new: list[int]) -> list[int | None]:
         """Compute `num_new[i]` tokens of `seqs[i]`; returns the sampled next token of each sequence
         whose target is now fully computed, None for the others (chunks of a longer prefill)."""
-        order = sorted(range(len(seqs)), key=lambda i: num_new[i] != 1)  # stable: decodes first
+        # Decodes first, shortest context first, so attention pads each group of them the least.
+        order = sorted(
+            range(len(seqs)), key=lambda i: (num_new[i] != 1, seqs[i].num_computed if num_new[i] == 1 else 0)
+        )
         input_ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []

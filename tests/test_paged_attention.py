@@ -77,11 +77,20 @@ def test_blocks_are_zeroed_before_their_first_use() -> None:
 def test_key_widths_are_padded_to_multiples_of_16() -> None:
     meta = AttentionMetadata.build(BS, [[3, 1, 2], [5]], [9, 2], [1, 1])
     assert meta.slot_mapping.tolist() == [2 * BS + 1, 5 * BS + 2]
-    assert meta.decode_block_tables is not None and meta.decode_block_tables.tolist() == [[3, 1, 2, 0], [5, 0, 0, 0]]
-    assert meta.decode_mask is not None and meta.decode_mask.shape == (2, 1, 1, 16)
-    assert meta.decode_mask[:, 0, 0].sum(-1).tolist() == [10, 3]
+    (group,) = meta.decode_groups
+    assert group.block_tables.tolist() == [[3, 1, 2, 0], [5, 0, 0, 0]]
+    assert group.mask.shape == (2, 1, 1, 16) and group.mask[:, 0, 0].sum(-1).tolist() == [10, 3]
     chunk = AttentionMetadata.build(BS, [[7, 8]], [2], [5]).extends[0]
     assert chunk.block_ids.tolist() == [7, 8, 0, 0] and chunk.num_computed == 2
+
+
+def test_decodes_of_very_different_lengths_are_padded_in_separate_groups() -> None:
+    short, long = [[i] for i in range(20)], [list(range(100 + 60 * i, 160 + 60 * i)) for i in range(20)]
+    tables = short + long  # contexts of 3 and 239 tokens: one width for all would pad 20 rows 60x
+    meta = AttentionMetadata.build(BS, tables, [2] * 20 + [238] * 20, [1] * 40)
+    assert [(g.start, g.end, g.block_tables.shape[1]) for g in meta.decode_groups] == [(0, 20, 4), (20, 40, 60)]
+    similar = AttentionMetadata.build(BS, [[1, 2, 3]] * 8 + [[4, 5, 6, 7]] * 8, [10] * 8 + [13] * 8, [1] * 16)
+    assert len(similar.decode_groups) == 1  # a group costs more than the padding it would save
 
 
 def test_a_token_gets_the_same_bits_however_it_is_batched_or_chunked() -> None:
