@@ -5,12 +5,12 @@
 Workload: the 80 MT-bench first-turn questions (from the registry package the README names), chat-
 templated, each with an output length drawn from --min-tokens..--max-tokens (seeded); end-of-turn is
 suppressed everywhere so every system generates exactly the same number of tokens. Throughput is
-generated tokens / wall time, prefill included, medians over --runs.
+generated tokens / wall time, prefill included.
 
   (a) HF transformers `generate`, one request at a time        (b) our engine at concurrency 1, 4, 16, 32
   (c) TTFT of a request behind a shared ~1,000-token system prompt, cold vs prefix-cached
   (d) our engine at concurrency 16 with prefix caching on vs off, every request with its own cache
-      salt so the hit rate is 0%: the bookkeeping's cost
+      salt so the hit rate is 0%: the bookkeeping's cost, both engines stepped in lockstep
   (e) llama.cpp (`llama-cpp-python`, the `bench` extra) on the original GGUF file, one request at a time
 
 One-at-a-time systems (a, b at concurrency 1, e) run the first --sequential-requests requests; the
@@ -28,7 +28,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 if "OMP_NUM_THREADS" not in os.environ:
@@ -36,7 +36,7 @@ if "OMP_NUM_THREADS" not in os.environ:
 
 import torch
 
-from engines.engine import Engine, EngineConfig
+from engines.engine import Engine
 from engines.fetch import assemble_gguf, fetch_model, fetch_package_file, registry_model
 from engines.request import EngineRequest
 from engines.sampling import SamplingParams
@@ -164,16 +164,24 @@ def ttft_shared_prefix(engine: Engine, runs: int) -> tuple[float, float]:
     return statistics.median(cold), statistics.median(cached)
 
 
-def prefix_cache_cost(engine: Engine, jobs: list[Job], pairs: int) -> tuple[float, float, float, float]:
-    """(overhead %, % of wall time inside prefix-cache code, median tok/s on, median tok/s off).
+def prefix_cache_cost(
+    engine: Engine, warm_jobs: list[Job], jobs: list[Job], rounds: int
+) -> tuple[float, float, float, float]:
+    """(overhead %, % of step time inside prefix-cache code, tok/s on, tok/s off).
 
-    Every request gets its own salt, so nothing hits and caching can only cost. Runs alternate in
-    pairs (on-off, then off-on) and the overhead is the median of the pairs' time ratios, because on
-    a shared 2-vCPU box single runs drift by +-20%. The direct share counts the seconds spent hashing,
-    matching and registering blocks.
+    Two new engines on the same model, caching on and off, first serve `warm_jobs` so both pools
+    have the same history, then `jobs` at concurrency 16. Every request gets its own salt, so nothing
+    hits and caching can only cost. The engines run in lockstep, one step each in alternating order,
+    and only their steps are timed: a shared 2-vCPU box drifts by +-20% between whole runs, far more
+    than the effect measured, but two steps a few milliseconds apart see the same machine. The
+    overhead is the median over rounds of (time on / time off - 1); the direct share times the
+    hashing, matching and registering code itself.
     """
-    off_engine = Engine(engine.model, engine.tokenizer, EngineConfig(enable_prefix_caching=False))
-    bm = engine.block_manager
+    on_engine, off_engine = (
+        Engine(engine.model, engine.tokenizer, replace(engine.config, enable_prefix_caching=flag))
+        for flag in (True, False)
+    )
+    bm = on_engine.block_manager
     spent = [0.0]
 
     def timed(fn: Callable) -> Callable:
@@ -186,24 +194,39 @@ def prefix_cache_cost(engine: Engine, jobs: list[Job], pairs: int) -> tuple[floa
 
         return wrapper
 
+    unique = lambda i: f"unique-{time.monotonic_ns()}-{i}"  # noqa: E731 - never hits
+    lockstep([on_engine, off_engine], warm_jobs, 32, unique)
     bm.match_prefix = timed(bm.match_prefix)  # type: ignore[method-assign]
     bm.cache_full_blocks = timed(bm.cache_full_blocks)  # type: ignore[method-assign]
-    unique = lambda i: f"unique-{time.monotonic_ns()}-{i}"  # noqa: E731 - never hits
-    for e in (engine, off_engine):
-        run_ours(e, jobs, 16, unique)  # warm both pools
-    spent[0] = 0.0  # only the caching engine's block manager is timed
-    ratios, on, off, wall_on = [], [], [], 0.0
-    for i in range(pairs):
-        order = [(engine, on), (off_engine, off)] if i % 2 == 0 else [(off_engine, off), (engine, on)]
-        for e, sink in order:
+    overheads, seconds_on, seconds_off, tokens = [], 0.0, 0.0, 0
+    for _ in range(rounds):
+        (on, generated), (off, _) = lockstep([on_engine, off_engine], jobs, 16, unique)
+        overheads.append((on / off - 1) * 100)
+        seconds_on, seconds_off, tokens = seconds_on + on, seconds_off + off, tokens + generated
+    return statistics.median(overheads), spent[0] / seconds_on * 100, tokens / seconds_on, tokens / seconds_off
+
+
+def lockstep(
+    engines: list[Engine], jobs: list[Job], concurrency: int, salt: Callable[[int], str]
+) -> list[tuple[float, int]]:
+    """Run `jobs` closed-loop on every engine at once, a step of each in turn (first and second swap
+    each round); returns each engine's (seconds inside add_request and step, tokens generated)."""
+    pending = [deque(enumerate(jobs)) for _ in engines]
+    seconds = [0.0] * len(engines)
+    generated = [0] * len(engines)
+    turn = 0
+    while any(pending) or any(e.has_unfinished() for e in engines):
+        order = range(len(engines)) if turn % 2 == 0 else reversed(range(len(engines)))
+        for k in order:
+            engine, queue = engines[k], pending[k]
             t0 = time.perf_counter()
-            sink.append(run_ours(e, jobs, 16, unique)["tok_s"])
-            if e is engine:
-                wall_on += time.perf_counter() - t0
-        ratios.append(off[-1] / on[-1])
-    del bm.match_prefix, bm.cache_full_blocks  # back to the class's methods
-    share = spent[0] / wall_on * 100 if wall_on else 0.0
-    return (statistics.median(ratios) - 1) * 100, share, statistics.median(on), statistics.median(off)
+            while queue and engine.num_running < concurrency:
+                i, job = queue.popleft()
+                engine.add_request(EngineRequest(f"j{i}", job.prompt, params(job.max_tokens), cache_salt=salt(i)))
+            generated[k] += sum(len(out.new_token_ids) for out in engine.step())
+            seconds[k] += time.perf_counter() - t0
+        turn += 1
+    return list(zip(seconds, generated, strict=True))
 
 
 def main() -> None:
@@ -215,7 +238,7 @@ def main() -> None:
     p.add_argument("--min-tokens", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=192)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
-    p.add_argument("--pairs", type=int, default=9, help="paired runs of the prefix-cache on/off comparison")
+    p.add_argument("--rounds", type=int, default=7, help="lockstep rounds of the prefix-cache on/off comparison")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--no-llamacpp", action="store_true")
@@ -266,10 +289,10 @@ def main() -> None:
     rows.append(("(c) TTFT, same prefix cached", f"{cached:.0f} ms", f"{cold / cached:.1f}x faster"))
 
     say("(d) prefix caching on vs off at a 0% hit rate, concurrency 16 ...")
-    overhead, share, on_med, off_med = prefix_cache_cost(engine, jobs[:16], args.pairs)
+    overhead, share, on_med, off_med = prefix_cache_cost(engine, jobs, jobs[:16], args.rounds)
     rows.append(("(d) c=16, prefix caching off", f"{off_med:.1f}", ""))
-    rows.append(("(d) c=16, prefix caching on, 0% hits", f"{on_med:.1f}", f"{overhead:+.1f}% (paired median)"))
-    rows.append(("(d) time in prefix-cache code, caching on", f"{share:.2f}%", "of wall time, measured directly"))
+    rows.append(("(d) c=16, prefix caching on, 0% hits", f"{on_med:.1f}", f"{overhead:+.1f}% (lockstep median)"))
+    rows.append(("(d) time in prefix-cache code, caching on", f"{share:.2f}%", "of step time, measured directly"))
 
     result.update(
         ratio_c16_vs_hf=round(ours[16]["tok_s"] / hf, 2) if hf and 16 in ours else None,
