@@ -54,9 +54,12 @@ class ExtendSpan:
 @dataclass(frozen=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # (num_tokens,) cache slot of each new token's key and value
-    num_decode: int  # the first rows: one query token per sequence
-    decode_groups: tuple[DecodeGroup, ...]
+    decode_groups: tuple[DecodeGroup, ...]  # the first rows, one query token per sequence
     extends: tuple[ExtendSpan, ...]
+
+    @property
+    def num_decode(self) -> int:
+        return self.decode_groups[-1].end if self.decode_groups else 0
 
     @classmethod
     def build(
@@ -93,7 +96,7 @@ class AttentionMetadata:
             extends.append(ExtendSpan(row, n, done, ids))
             row += n
         slot_mapping = torch.cat(slots) if slots else torch.empty(0, dtype=torch.long)
-        return cls(slot_mapping, num_decode, tuple(groups), tuple(extends))
+        return cls(slot_mapping, tuple(groups), tuple(extends))
 
 
 class AttentionBackend(Protocol):
