@@ -79,6 +79,16 @@ def params(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
+def admit(engine: Engine, pending: deque[tuple[int, Job]], concurrency: int, salt: Callable[[int], str]) -> list[str]:
+    """Top the engine up to `concurrency` running requests from `pending`; returns the ids added."""
+    added = []
+    while pending and engine.num_running < concurrency:
+        i, job = pending.popleft()
+        engine.add_request(EngineRequest(f"j{i}", job.prompt, params(job.max_tokens), cache_salt=salt(i)))
+        added.append(f"j{i}")
+    return added
+
+
 def run_ours(engine: Engine, jobs: list[Job], concurrency: int, salt: Callable[[int], str] = lambda i: "") -> dict:
     """Closed loop: keep `concurrency` requests in the engine until all jobs are done."""
     pending = deque(enumerate(jobs))
@@ -87,10 +97,7 @@ def run_ours(engine: Engine, jobs: list[Job], concurrency: int, salt: Callable[[
     generated = 0
     t0 = time.perf_counter()
     while pending or engine.has_unfinished():
-        while pending and engine.num_running < concurrency:
-            i, job = pending.popleft()
-            rid = f"j{i}"
-            engine.add_request(EngineRequest(rid, job.prompt, params(job.max_tokens), cache_salt=salt(i)))
+        for rid in admit(engine, pending, concurrency, salt):
             started[rid] = time.perf_counter()
         for out in engine.step():
             generated += len(out.new_token_ids)
@@ -218,11 +225,9 @@ def lockstep(
     while any(pending) or any(e.has_unfinished() for e in engines):
         order = range(len(engines)) if turn % 2 == 0 else reversed(range(len(engines)))
         for k in order:
-            engine, queue = engines[k], pending[k]
+            engine = engines[k]
             t0 = time.perf_counter()
-            while queue and engine.num_running < concurrency:
-                i, job = queue.popleft()
-                engine.add_request(EngineRequest(f"j{i}", job.prompt, params(job.max_tokens), cache_salt=salt(i)))
+            admit(engine, pending[k], concurrency, salt)
             generated[k] += sum(len(out.new_token_ids) for out in engine.step())
             seconds[k] += time.perf_counter() - t0
         turn += 1
