@@ -14,6 +14,11 @@ heads that share a KV head folded into that head's query rows (GQA without copyi
   batch entries, and masked key slots (widths padded to multiples of 16) add exact zeros. So a token's
   output does not depend on what shares its step, how its prompt was chunked, or whether its prefix
   came from the cache: greedy answers do not change with server load.
+
+An int8 pool (see `engines.kv_cache`) is read without dequantizing it: the gathered int8 blocks are
+cast to the query dtype (exact, |x| ≤ 127), each key's scale multiplies its score column before the
+softmax and each value's scale its probability column before the second matmul; that is attention
+over the dequantized keys and values. Every step is per row or elementwise, so batch invariance holds.
 """
 
 from __future__ import annotations
@@ -117,25 +122,30 @@ class TorchPagedAttention:
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """q (tokens, heads, dim), k/v (tokens, kv_heads, dim) → (tokens, heads, dim)."""
+        self.cache.store(layer, meta.slot_mapping, k, v)
         k_cache, v_cache = self.cache.layer(layer)
-        kv_heads, _, _, dim = k_cache.shape
-        k_cache.view(kv_heads, -1, dim).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-        v_cache.view(kv_heads, -1, dim).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        scales = self.cache.layer_scales(layer)
         if len(meta.decode_groups) == 1 and not meta.extends:
-            return self.forward_decode(q, k_cache, v_cache, meta.decode_groups[0])
+            return self.forward_decode(q, k_cache, v_cache, meta.decode_groups[0], scales)
         out = torch.empty_like(q)
         for group in meta.decode_groups:
             rows = slice(group.start, group.end)
-            out[rows] = self.forward_decode(q[rows], k_cache, v_cache, group)
+            out[rows] = self.forward_decode(q[rows], k_cache, v_cache, group, scales)
         for span in meta.extends:
             rows = slice(span.start, span.start + span.num_new)
-            out[rows] = self.forward_extend(q[rows], k_cache, v_cache, span)
+            out[rows] = self.forward_extend(q[rows], k_cache, v_cache, span, scales)
         return out
 
     def forward_decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        group: DecodeGroup,
+        scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """One query per sequence, batched: (b, heads, dim) → (b, heads, dim)."""
+        """One query per sequence, batched: (b, heads, dim) → (b, heads, dim). With an int8 cache,
+        `scales` are its key and value scales, each (kv_heads, blocks, block_size)."""
         tables, mask = group.block_tables, group.mask
         b, blocks = tables.shape
         kv_heads, _, bs, dim = k_cache.shape
@@ -143,12 +153,24 @@ class TorchPagedAttention:
         # Heads lead: (kv_heads, b, width, dim) straight from the gather, so the matmuls need no copy.
         keys = k_cache.index_select(1, flat).view(kv_heads, b, blocks * bs, dim)
         values = v_cache.index_select(1, flat).view(kv_heads, b, blocks * bs, dim)
+        if scales is not None:  # int8: each gathered vector's scale, (kv_heads, b, width)
+            k_scales, v_scales = scales
+            scales = (
+                k_scales.index_select(1, flat).view(kv_heads, b, blocks * bs),
+                v_scales.index_select(1, flat).view(kv_heads, b, blocks * bs),
+            )
         group = q.shape[1] // kv_heads
-        out = _attend(q.view(b, kv_heads, group, dim).transpose(0, 1), keys, values, mask.view(1, b, 1, -1))
+        folded = q.view(b, kv_heads, group, dim).transpose(0, 1)
+        out = _attend(folded, keys, values, mask.view(1, b, 1, -1), scales)
         return out.transpose(0, 1).reshape(b, kv_heads * group, dim)
 
     def forward_extend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, span: ExtendSpan
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        span: ExtendSpan,
+        scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """One sequence's chunk against its whole context: (n, heads, dim) → (n, heads, dim)."""
         n, heads, dim = q.shape
@@ -156,6 +178,12 @@ class TorchPagedAttention:
         group = heads // kv_heads
         keys = k_cache.index_select(1, span.block_ids).view(kv_heads, -1, dim)
         values = v_cache.index_select(1, span.block_ids).view(kv_heads, -1, dim)
+        if scales is not None:  # int8: each gathered vector's scale, (kv_heads, width)
+            k_scales, v_scales = scales
+            scales = (
+                k_scales.index_select(1, span.block_ids).view(kv_heads, -1),
+                v_scales.index_select(1, span.block_ids).view(kv_heads, -1),
+            )
         folded = q.view(n, kv_heads, group, dim).permute(1, 0, 2, 3)  # (kv_heads, n, group, dim)
         out = torch.empty(kv_heads, n, group, dim, dtype=q.dtype)
         for lo in range(0, n, EXTEND_ROWS):  # causal: a block of rows needs keys up to its end only
@@ -164,7 +192,8 @@ class TorchPagedAttention:
             width = -(-last // WIDTH_MULTIPLE) * WIDTH_MULTIPLE
             rows = folded[:, lo:hi].reshape(kv_heads, (hi - lo) * group, dim)
             allowed = torch.arange(width) <= torch.arange(first, last).repeat_interleave(group).unsqueeze(1)
-            block = _attend(rows, keys[:, :width], values[:, :width], allowed)
+            cut = None if scales is None else (scales[0][:, :width], scales[1][:, :width])
+            block = _attend(rows, keys[:, :width], values[:, :width], allowed, cut)
             out[:, lo:hi] = block.view(kv_heads, hi - lo, group, dim)
         return out.permute(1, 0, 2, 3).reshape(n, heads, dim)
 
@@ -189,8 +218,23 @@ def _split_by_width(widths: list[int]) -> list[tuple[int, int]]:
     return bounds[::-1]
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """softmax(q kᵀ / √d, masked) v over (..., rows, dim) × (..., keys, dim); fp32 softmax."""
-    scores = torch.matmul(q, k.transpose(-1, -2)).float()
-    scores.mul_(q.shape[-1] ** -0.5).masked_fill_(~allowed, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """softmax(q kᵀ / √d, masked) v over (..., rows, dim) × (..., keys, dim); fp32 softmax.
+
+    With `scales` = (k_scales, v_scales), each (..., keys), k and v are int8 standing for k * k_scales
+    and v * v_scales: the key scales multiply the score columns, the value scales the probabilities."""
+    if scales is None:
+        scores = torch.matmul(q, k.transpose(-1, -2)).float()
+        scores.mul_(q.shape[-1] ** -0.5).masked_fill_(~allowed, float("-inf"))
+        return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+    k_scales, v_scales = scales
+    scores = torch.matmul(q, k.to(q.dtype).transpose(-1, -2)).float()
+    scores.mul_(k_scales.unsqueeze(-2).float()).mul_(q.shape[-1] ** -0.5).masked_fill_(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).mul_(v_scales.unsqueeze(-2).float())
+    return torch.matmul(probs.to(q.dtype), v.to(q.dtype))
