@@ -44,6 +44,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # tokens per step: the prefill chunk size when decodes are few
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # default: the model's own context
+    kv_cache_dtype: str = "auto"  # "auto": the model dtype; "int8": per-vector scales, ~2x the blocks
 
 
 @dataclass(frozen=True)
@@ -81,15 +82,25 @@ class Engine:
         self.config = config = config or EngineConfig()
         cfg = model.config
         self.max_model_len = min(cfg.max_position_embeddings, config.max_model_len or cfg.max_position_embeddings)
-        self.dtype = model.embed_tokens.weight.dtype
+        self.dtype = model.dtype
+        kv_dtypes = {"auto": self.dtype, "int8": torch.int8}
+        if config.kv_cache_dtype not in kv_dtypes:
+            raise ValueError(f"kv_cache_dtype must be one of {sorted(kv_dtypes)}, not {config.kv_cache_dtype!r}")
+        kv_dtype = kv_dtypes[config.kv_cache_dtype]
         per_block = bytes_per_block(
-            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, config.block_size, self.dtype
+            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, config.block_size, self.dtype, kv_dtype
         )
         num_blocks = config.kv_cache_bytes // per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} holds no block of {per_block} bytes")
         self.cache = PagedKVCache(
-            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, num_blocks, config.block_size, self.dtype
+            cfg.num_hidden_layers,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            num_blocks,
+            config.block_size,
+            self.dtype,
+            kv_dtype,
         )
         self.block_manager = BlockManager(
             num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
@@ -109,9 +120,16 @@ class Engine:
 
     @classmethod
     def from_dir(
-        cls, model_dir: str | Path, *, dtype: str = "bf16", config: EngineConfig | None = None, name: str = ""
+        cls,
+        model_dir: str | Path,
+        *,
+        dtype: str = "bf16",
+        config: EngineConfig | None = None,
+        name: str = "",
+        weights: str | None = None,
     ) -> Engine:
-        return cls(load_model(model_dir, dtype), Tokenizer(model_dir), config, name=name)
+        """`weights`: None serves the directory as stored, "int8"/"int4" quantize while loading."""
+        return cls(load_model(model_dir, dtype, weights), Tokenizer(model_dir), config, name=name)
 
     def check(self, prompt_token_ids: list[int], max_tokens: int) -> None:
         """Raise `RequestRejected` if this prompt and token budget cannot be served."""

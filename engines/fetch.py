@@ -45,6 +45,11 @@ def model_dir(home: Path, name: str) -> Path:
     return Path(home) / "models" / name
 
 
+def quantized_dir(home: Path, name: str, fmt: str) -> Path:
+    """Where a registry model's int8/int4 checkpoint lives (`engines.quantized_checkpoint`)."""
+    return Path(home) / "models" / f"{name}-{fmt}"
+
+
 def is_fetched(home: Path, name: str) -> bool:
     entry = registry_model(name)
     marker = model_dir(home, name) / MARKER

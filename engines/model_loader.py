@@ -10,6 +10,7 @@ from safetensors import safe_open
 from engines.model_config import ModelConfig, UnsupportedModelError
 from engines.models import build_model
 from engines.models.llama import LlamaForCausalLM
+from engines.quantize import WEIGHT_FORMATS
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
 
@@ -32,18 +33,48 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"dtype {name!r} is not supported; use one of {sorted(DTYPES)}") from None
 
 
-def load_model(model_dir: str | Path, dtype: str | torch.dtype = "bf16") -> LlamaForCausalLM:
+def load_model(
+    model_dir: str | Path, dtype: str | torch.dtype = "bf16", weights: str | None = None, *, prepare: bool = True
+) -> LlamaForCausalLM:
+    """Load a HF directory or one of our quantized checkpoints.
+
+    `weights`: None serves the directory as stored; "int8"/"int4" quantize a float checkpoint while
+    loading (a quantized directory must match); "bf16" refuses a quantized directory.
+    """
+    from engines.quantized_checkpoint import calibration_ids, is_quantized_dir, quantized_state
+    from engines.tokenizer import Tokenizer
+
     model_dir = Path(model_dir)
+    if weights not in (None, *WEIGHT_FORMATS):
+        raise ValueError(f"weights {weights!r} is not supported; use one of {list(WEIGHT_FORMATS)}")
+    if is_quantized_dir(model_dir):
+        return _load_quantized(model_dir, resolve_dtype(dtype), weights)
+    model = _load_float(model_dir, resolve_dtype(dtype))
+    if weights in ("int8", "int4"):
+        apply_state(model, quantized_state(model, weights, calibration_ids(Tokenizer(model_dir))))
+    if prepare:
+        model.prepare()
+    return model
+
+
+def _build(cfg: ModelConfig, dtype: torch.dtype, skip: set[str] = frozenset()) -> LlamaForCausalLM:
+    """The model with uninitialised storage; modules in `skip` get no float weight at all."""
+    with torch.device("meta"):
+        model = build_model(cfg)
+    for name in skip:
+        model.get_submodule(name).weight = None
+    model = model.to_empty(device="cpu").to(dtype)  # allocate without a wasted random init
+    if cfg.tie_word_embeddings and model.embed_tokens.weight is not None:  # to_empty breaks the tie
+        model.lm_head.weight = model.embed_tokens.weight
+    return model.eval().requires_grad_(False)
+
+
+def _load_float(model_dir: Path, dtype: torch.dtype) -> LlamaForCausalLM:
     cfg = ModelConfig.from_dir(model_dir)
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise UnsupportedModelError(f"{model_dir} has no *.safetensors weights")
-    torch_dtype = resolve_dtype(dtype)
-    with torch.device("meta"):
-        model = build_model(cfg)
-    model = model.to_empty(device="cpu").to(torch_dtype)  # allocate without a wasted random init
-    if cfg.tie_word_embeddings:  # to_empty breaks the tie; restore it before loading
-        model.lm_head.weight = model.embed_tokens.weight
+    model = _build(cfg, dtype)
     params = dict(model.named_parameters())  # a tied lm_head is not listed separately
     loaded: set[tuple[str, int]] = set()
     for path in files:
@@ -56,9 +87,54 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "bf16") -> Llam
     if missing := expected - loaded:
         names = sorted({n for n, _ in missing})
         raise UnsupportedModelError(f"{model_dir}: weights missing for {names[:5]}")
-    model = model.eval().requires_grad_(False)
+    return model
+
+
+def _load_quantized(model_dir: Path, dtype: torch.dtype, weights: str | None) -> LlamaForCausalLM:
+    from engines.quantized_checkpoint import load_state
+
+    config, state = load_state(model_dir)
+    if weights is not None and weights != config["weights"]:
+        raise UnsupportedModelError(f"{model_dir} holds {config['weights']} weights, not {weights}")
+    cfg = ModelConfig.from_dir(model_dir)
+    skip = set(config["modules"]) | ({"lm_head"} if cfg.tie_word_embeddings else set())
+    model = _build(cfg, dtype, skip)
+    apply_state(model, state)
     model.prepare()
     return model
+
+
+def apply_state(model: LlamaForCausalLM, state: dict) -> None:
+    """Put a quantized state (`engines.quantized_checkpoint`) into the model; float weights it replaces
+    are dropped. Every parameter left must be covered, or the checkpoint does not fit the model."""
+    from engines.quantize import QuantizedWeight
+
+    dtype = model.dtype
+    params = dict(model.named_parameters())
+    covered: set[str] = set()
+    for name, value in state.items():
+        if isinstance(value, QuantizedWeight):
+            module = model.get_submodule(name)
+            module.set_quantized(value, dtype)
+            covered.add(f"{name}.weight")
+            if name == "embed_tokens" and model.config.tie_word_embeddings:
+                model.lm_head.set_quantized(value, dtype)
+        elif name in params:
+            _copy(params[name].data, value, name)
+            covered.add(name)
+        else:
+            raise UnsupportedModelError(f"unexpected tensor {name} in a quantized checkpoint")
+    left = {n for n, p in model.named_parameters() if p is not None} - covered
+    if left:
+        raise UnsupportedModelError(f"quantized checkpoint misses {sorted(left)[:5]}")
+
+
+def fused_name(name: str) -> tuple[str, int]:
+    """A HF parameter name (without `model.`) → (our fused name, shard index)."""
+    for hf_part, (ours, shard) in _FUSED.items():
+        if f".{hf_part}." in name:
+            return name.replace(hf_part, ours), shard
+    return name, 0
 
 
 def _num_shards(name: str) -> int:

@@ -60,6 +60,19 @@ def _parser() -> argparse.ArgumentParser:
     models.add_parser("list", help="models the registry ships and whether they are fetched").set_defaults(
         handler=_models_list
     )
+    qz = models.add_parser("quantize", help="store an int8 or int4 checkpoint of a model")
+    qz.add_argument("src", metavar="SRC", help="a registry name (int4 keeps its GGUF's 4-bit blocks) or a HF directory")
+    qz.add_argument("dst", metavar="DST", help="the directory to write (safetensors plus quantization.json)")
+    qz.add_argument("--weights", required=True, choices=("int8", "int4"))
+    qz.set_defaults(handler=_models_quantize)
+    ev = models.add_parser("eval", help="perplexity and GSM8K accuracy, to judge a quantized variant")
+    ev.add_argument("model", metavar="MODEL", help="a registry name (fetched if missing) or a model directory")
+    ev.add_argument("--weights", default="bf16", choices=("bf16", "int8", "int4"))
+    ev.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"))
+    ev.add_argument("--ppl-tokens", type=int, default=4096, metavar="N", help="held-out tokens (0 skips)")
+    ev.add_argument("--gsm8k", type=int, default=64, metavar="N", help="first N GSM8K test problems (0 skips)")
+    ev.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    ev.set_defaults(handler=_models_eval)
 
     tenant = sub.add_parser("tenant", help="tenants").add_subparsers(metavar="ACTION")
     create = tenant.add_parser("create", help="create a tenant and print its first key")
@@ -133,6 +146,66 @@ def _models_list(_: argparse.Namespace) -> int:
     for name, entry in REGISTRY.items():
         state = "fetched" if is_fetched(home, name) else "not fetched"
         print(f"{name:32} {state:12} {entry.description}")
+    return 0
+
+
+def _models_eval(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from engines.engine import Engine, EngineConfig
+    from engines.fetch import fetch_model
+    from engines.quality import evaluate
+    from engines.quantized_checkpoint import fetch_quantized
+
+    home = _settings().home_dir
+    path = Path(args.model).expanduser()
+    config = EngineConfig(kv_cache_dtype=args.kv_cache_dtype)
+    if path.is_dir():  # a directory: float weights are quantized on load, a quantized one must match
+        engine = Engine.from_dir(path, config=config, weights=args.weights)
+    elif args.weights == "bf16":
+        engine = Engine.from_dir(fetch_model(args.model, home), config=config)
+    else:  # a registry model: judge the checkpoint a tier with these weights serves
+        engine = Engine.from_dir(fetch_quantized(args.model, home, args.weights), config=config)
+    result = {"model": args.model, "weights": args.weights, "kv_cache_dtype": args.kv_cache_dtype}
+    result |= evaluate(engine, home, ppl_tokens=args.ppl_tokens, gsm8k=args.gsm8k, progress=True)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"{args.model}  weights={args.weights}  kv_cache_dtype={args.kv_cache_dtype}")
+    if "perplexity" in result:
+        print(
+            f"  perplexity  {result['perplexity']:>9.3f}  over {result['ppl_tokens_scored']} held-out tokens "
+            f"(windows of {result['ppl_window']}), {result['ppl_seconds']:.1f} s"
+        )
+    if "gsm8k_accuracy" in result:
+        print(
+            f"  gsm8k       {result['gsm8k_accuracy']:>9.3f}  {result['gsm8k_correct']}/{result['gsm8k_n']} correct, "
+            f"greedy, {result['gsm8k_seconds']:.1f} s"
+        )
+    print(f"  total {result['seconds']:.1f} s")
+    return 0
+
+
+def _models_quantize(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from engines.fetch import assemble_gguf, fetch_model, registry_model
+    from engines.quantized_checkpoint import quantize_checkpoint
+    from engines.registry import REGISTRY
+
+    home = _settings().home_dir
+    gguf = None
+    if args.src in REGISTRY:
+        src = fetch_model(args.src, home)
+        if args.weights == "int4":
+            gguf = assemble_gguf(registry_model(args.src), home / "gguf")
+    elif Path(args.src).expanduser().is_dir():
+        src = Path(args.src).expanduser()
+    else:
+        raise _Failure(f"{args.src} is neither a registry model nor a directory")
+    out = quantize_checkpoint(src, Path(args.dst).expanduser(), args.weights, gguf=gguf)
+    print(out)
     return 0
 
 

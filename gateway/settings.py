@@ -19,6 +19,7 @@ from pydantic_settings import (
 )
 
 from engines.fetch import model_dir as registry_model_dir
+from engines.fetch import quantized_dir
 from engines.registry import REGISTRY
 
 DEFAULT_HOME = Path("~/.cache/switchboard")
@@ -29,6 +30,9 @@ class TierSettings(BaseModel):
 
     model: str = Field("smollm2-135m-instruct", description="registry model name or path to a HF directory")
     dtype: Literal["bf16", "fp32"] = "bf16"
+    weights: Literal["bf16", "int8", "int4"] = Field(
+        "bf16", description="linear weights: bf16, int8 (per channel) or int4 (groups of 32)"
+    )
     threads: int | None = Field(None, ge=1, description="torch threads for this tier; default: all CPUs")
     max_model_len: int | None = Field(None, ge=16, description="context limit; default: the model's")
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV-cache block")
@@ -36,6 +40,9 @@ class TierSettings(BaseModel):
     max_num_seqs: int = Field(64, ge=1, description="most sequences in one engine step")
     max_num_batched_tokens: int = Field(512, ge=1, description="most tokens in one step (the prefill chunk)")
     enable_prefix_caching: bool = True
+    kv_cache_dtype: Literal["auto", "int8"] = Field(
+        "auto", description='"int8" stores keys and values in int8 with per-token scales: ~2x the tokens'
+    )
 
     @property
     def is_registry_model(self) -> bool:
@@ -82,6 +89,8 @@ class Settings(BaseSettings):
         return self.database_url or f"sqlite:///{self.home_dir / 'switchboard.db'}"
 
     def model_dir(self, tier: TierSettings) -> Path:
+        if tier.is_registry_model and tier.weights != "bf16":
+            return quantized_dir(self.home_dir, tier.model, tier.weights)
         if tier.is_registry_model:
             return registry_model_dir(self.home_dir, tier.model)
         return Path(tier.model).expanduser()

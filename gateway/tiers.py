@@ -8,6 +8,7 @@ import time
 from engines.async_engine import AsyncEngine
 from engines.engine import Engine, EngineConfig
 from engines.fetch import FetchError, fetch_model, is_fetched
+from engines.quantized_checkpoint import is_quantized_dir
 from gateway.settings import Settings, TierSettings
 
 log = logging.getLogger(__name__)
@@ -16,11 +17,21 @@ log = logging.getLogger(__name__)
 def ensure_models(settings: Settings, *, progress: bool = True) -> None:
     """Fetch every registry model a tier names that is not on disk yet (or fail saying how to)."""
     for name, tier in settings.tiers.items():
-        if not tier.is_registry_model or is_fetched(settings.home_dir, tier.model):
+        if not tier.is_registry_model:
+            continue
+        quantized = tier.weights != "bf16"
+        if quantized and is_quantized_dir(settings.model_dir(tier)):
+            continue
+        if not quantized and is_fetched(settings.home_dir, tier.model):
             continue
         if not settings.auto_fetch:
             raise FetchError(f"tier {name!r} needs {tier.model}; run `switchboard models fetch {tier.model}`")
-        fetch_model(tier.model, settings.home_dir, progress=progress)
+        if quantized:
+            from engines.quantized_checkpoint import fetch_quantized
+
+            fetch_quantized(tier.model, settings.home_dir, tier.weights, progress=progress)
+        else:
+            fetch_model(tier.model, settings.home_dir, progress=progress)
 
 
 def load_engines(settings: Settings) -> dict[str, AsyncEngine]:
@@ -29,7 +40,7 @@ def load_engines(settings: Settings) -> dict[str, AsyncEngine]:
     loaded: dict[tuple, AsyncEngine] = {}
     engines: dict[str, AsyncEngine] = {}
     for name, tier in settings.tiers.items():
-        key = (str(settings.model_dir(tier)), tier.dtype, engine_config(tier))
+        key = (str(settings.model_dir(tier)), tier.dtype, tier.weights, engine_config(tier))
         if key not in loaded:
             loaded[key] = AsyncEngine(
                 _load(settings, name, tier), name=name, threads=tier.threads or settings.max_threads
@@ -46,11 +57,23 @@ def engine_config(tier: TierSettings) -> EngineConfig:
         max_num_batched_tokens=tier.max_num_batched_tokens,
         enable_prefix_caching=tier.enable_prefix_caching,
         max_model_len=tier.max_model_len,
+        kv_cache_dtype=tier.kv_cache_dtype,
     )
 
 
 def _load(settings: Settings, name: str, tier: TierSettings) -> Engine:
     started = time.perf_counter()
-    engine = Engine.from_dir(settings.model_dir(tier), dtype=tier.dtype, config=engine_config(tier), name=tier.model)
-    log.info("tier %s: loaded %s (%s) in %.1f s", name, tier.model, tier.dtype, time.perf_counter() - started)
+    # A registry tier's quantized checkpoint is served as stored; a directory is quantized on load.
+    weights = None if tier.is_registry_model else tier.weights
+    engine = Engine.from_dir(
+        settings.model_dir(tier), dtype=tier.dtype, config=engine_config(tier), name=tier.model, weights=weights
+    )
+    log.info(
+        "tier %s: loaded %s (%s, %s weights) in %.1f s",
+        name,
+        tier.model,
+        tier.dtype,
+        engine.model.weights_format,
+        time.perf_counter() - started,
+    )
     return engine

@@ -12,7 +12,7 @@ from torch import nn
 
 from engines.attention import AttentionBackend, AttentionMetadata
 from engines.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
-from engines.linear import Linear
+from engines.linear import Embedding, Linear
 from engines.model_config import ModelConfig
 
 
@@ -70,7 +70,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -95,9 +95,24 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype (the final norm is never quantized)."""
+        return self.norm.weight.dtype
+
+    @property
+    def weights_format(self) -> str:
+        """bf16, or the format most of the decoder's linear bytes are in."""
+        counts: dict[str, int] = {}
+        for layer in self.layers:
+            for module in layer.modules():
+                if isinstance(module, Linear):
+                    counts[module.format] = counts.get(module.format, 0) + module.in_features * module.out_features
+        return max(counts, key=counts.__getitem__) if counts else "bf16"
+
     def prepare(self) -> None:
         """Once the weights are in: build the RoPE tables and let every linear layer pick its kernel."""
-        self.rope.build(self.embed_tokens.weight.dtype)
+        self.rope.build(self.dtype)
         for module in self.modules():
             if isinstance(module, Linear):
                 module.prepare(shared=module is self.lm_head and self.config.tie_word_embeddings)
