@@ -67,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     qz.set_defaults(handler=_models_quantize)
     ev = models.add_parser("eval", help="perplexity and GSM8K accuracy, to judge a quantized variant")
     ev.add_argument("model", metavar="MODEL", help="a registry name (fetched if missing) or a model directory")
-    ev.add_argument("--weights", default="bf16", choices=("bf16", "int8", "int4"))
+    ev.add_argument("--weights", choices=("bf16", "int8", "int4"), help="default: as stored (registry: bf16)")
     ev.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"))
     ev.add_argument("--ppl-tokens", type=int, default=4096, metavar="N", help="held-out tokens (0 skips)")
     ev.add_argument("--gsm8k", type=int, default=64, metavar="N", help="first N GSM8K test problems (0 skips)")
@@ -155,24 +155,28 @@ def _models_eval(args: argparse.Namespace) -> int:
 
     from engines.engine import Engine, EngineConfig
     from engines.fetch import fetch_model
+    from engines.model_config import UnsupportedModelError
     from engines.quality import evaluate
     from engines.quantized_checkpoint import fetch_quantized
 
     home = _settings().home_dir
     path = Path(args.model).expanduser()
     config = EngineConfig(kv_cache_dtype=args.kv_cache_dtype)
-    if path.is_dir():  # a directory: float weights are quantized on load, a quantized one must match
-        engine = Engine.from_dir(path, config=config, weights=args.weights)
-    elif args.weights == "bf16":
-        engine = Engine.from_dir(fetch_model(args.model, home), config=config)
-    else:  # a registry model: judge the checkpoint a tier with these weights serves
-        engine = Engine.from_dir(fetch_quantized(args.model, home, args.weights), config=config)
-    result = {"model": args.model, "weights": args.weights, "kv_cache_dtype": args.kv_cache_dtype}
+    try:
+        if path.is_dir():  # a directory: float weights are quantized on load, a quantized one must match
+            engine = Engine.from_dir(path, config=config, weights=args.weights)
+        elif args.weights in (None, "bf16"):
+            engine = Engine.from_dir(fetch_model(args.model, home), config=config)
+        else:  # a registry model: judge the checkpoint a tier with these weights serves
+            engine = Engine.from_dir(fetch_quantized(args.model, home, args.weights), config=config)
+    except UnsupportedModelError as exc:
+        raise _Failure(str(exc)) from None
+    result = {"model": args.model, "weights": engine.model.weights_format, "kv_cache_dtype": args.kv_cache_dtype}
     result |= evaluate(engine, home, ppl_tokens=args.ppl_tokens, gsm8k=args.gsm8k, progress=True)
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"{args.model}  weights={args.weights}  kv_cache_dtype={args.kv_cache_dtype}")
+    print(f"{args.model}  weights={result['weights']}  kv_cache_dtype={args.kv_cache_dtype}")
     if "perplexity" in result:
         print(
             f"  perplexity  {result['perplexity']:>9.3f}  over {result['ppl_tokens_scored']} held-out tokens "
@@ -191,6 +195,7 @@ def _models_quantize(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from engines.fetch import assemble_gguf, fetch_model, registry_model
+    from engines.model_config import UnsupportedModelError
     from engines.quantized_checkpoint import quantize_checkpoint
     from engines.registry import REGISTRY
 
@@ -204,7 +209,10 @@ def _models_quantize(args: argparse.Namespace) -> int:
         src = Path(args.src).expanduser()
     else:
         raise _Failure(f"{args.src} is neither a registry model nor a directory")
-    out = quantize_checkpoint(src, Path(args.dst).expanduser(), args.weights, gguf=gguf)
+    try:
+        out = quantize_checkpoint(src, Path(args.dst).expanduser(), args.weights, gguf=gguf)
+    except (UnsupportedModelError, ValueError) as exc:
+        raise _Failure(str(exc)) from None
     print(out)
     return 0
 
