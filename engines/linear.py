@@ -147,7 +147,10 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
-            out = self.kernel(x)
+            # The runner pads a lone token to two identical rows (bf16 batch invariance); quantized
+            # kernels treat rows independently, so compute one: ~20% of a batch-1 decode step.
+            lone = x.shape[0] == 2 and torch.equal(x[0], x[1])
+            out = self.kernel(x[:1]).expand(2, -1) if lone else self.kernel(x)
             return out if self.bias is None else out + self.bias
         if self.packed is not None:
             bias = None if self.bias is None else self.bias.detach()
