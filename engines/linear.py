@@ -2,23 +2,29 @@
 
 bf16 on the CPU: oneDNN's prepacked weight layout runs 1.3-2× faster than `F.linear` on the plain
 matrix at the batch sizes we serve (measured: 576→3072 at M=1 122 µs vs 188 µs, 1536→8960 1.16 ms vs
-1.47 ms, 2 threads), and gives identical results up to M=16. Everything else uses `F.linear`. The
+1.47 ms, 2 threads), and gives identical results up to M=16. It needs AVX-512 (or AVX-NE-CONVERT); other
+CPUs and dtypes use `F.linear`. The
 packed copy replaces the plain weight, so memory does not double; a weight shared with the embedding
 keeps its plain copy there.
 
 Quantized (`engines.quantize` formats): decode reads every weight once per step, so fewer bytes per
-weight is speed. int4 runs torch's weight-only kernel (`_weight_int4pack_mm_for_cpu`, dequantizing on
-the fly); int8 runs int8×int8 with each token's activations quantized on the fly (`Int8Kernel`).
+weight is speed. Where our AVX2 kernels build (`engines.cpu_kernels`), int4 layers and uncalibrated
+int8 layers run them: integer dot products against each token's activations quantized in groups of 32,
+streaming the weight at close to memory speed. Elsewhere int4 runs torch's weight-only kernel
+(`_weight_int4pack_mm_for_cpu`) and int8 torch's `_weight_int8pack_mm`. Calibrated int8 layers (the
+int8 tier) run int8×int8 with per-token activations on fbgemm (`Int8Kernel`).
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engines import cpu_kernels
 from engines.quantize import QuantizedWeight
 
 
@@ -28,7 +34,14 @@ def _can_pack(weight: torch.Tensor) -> bool:
         and weight.dtype == torch.bfloat16
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and _mkldnn_bf16()
     )
+
+
+@functools.cache
+def _mkldnn_bf16() -> bool:
+    """oneDNN's packed bf16 path needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; on AVX2-only CPUs it raises."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class Int8Kernel:
@@ -61,13 +74,21 @@ class Int8Kernel:
         self.outlier_w = None
         if qw.outliers is not None:
             self.outlier_w = (qw.q[:, qw.outliers].float() * qw.scales.float()[:, None]).T.contiguous()
-        self.q = None if self.packed is not None else qw.q.contiguous()
+        # Uncalibrated: our kernel where it builds (it quantizes activations in groups of 32, so one
+        # outlier channel coarsens only its own group), else torch's weight-only kernel.
+        self.native = cpu_kernels.Int8Weights(qw) if qw.outliers is None and cpu_kernels.available() else None
+        self.q = None if self.packed is not None or self.native is not None else qw.q.contiguous()
         if self.q is not None and self.q.data_ptr() % 64:  # `_weight_int8pack_mm` crashes on misaligned weights
             self.q = self.q.clone()
         self.scales32 = qw.scales.float()
         self.nbytes = qw.q.numel() + qw.scales.numel() * 4
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.native is not None:
+            return cpu_kernels.int8_linear(x, self.native, bias, out_dtype=self.dtype)
+        return self._compute(x) if bias is None else self._compute(x) + bias
+
+    def _compute(self, x: torch.Tensor) -> torch.Tensor:
         if self.outliers is None:
             return torch._weight_int8pack_mm(x.contiguous(), self.q, self.scales)
         xf = x.float()
@@ -79,11 +100,25 @@ class Int8Kernel:
         else:
             unit = xf.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12)
             pinned = torch.cat((xf.div_(unit), _PIN.expand(xf.shape[0], 2)), dim=1)
-            out = torch.ops.quantized.linear_dynamic(pinned, self.packed).mul_(unit)
+            out = torch.ops.quantized.linear_dynamic(pinned, self.packed, _REDUCE_RANGE).mul_(unit)
         return out.addmm_(side, self.outlier_w).to(self.dtype)
 
 
 _PIN = torch.tensor([[1.0, -1.0]])
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+# Without VNNI, fbgemm multiplies u8 activations by s8 weights with vpmaddubsw, whose int16 pair sums
+# saturate (255·127·2 > 32767): on an AVX2 EPYC, 3.3% error on the ordinary channels instead of <2%.
+# Seven-bit activations (reduce_range) cannot saturate; with AVX-512 VNNI the full 8 bits are safe.
+_REDUCE_RANGE = "avx512_vnni" not in _cpu_flags()
 
 
 def _has_fbgemm() -> bool:
@@ -91,18 +126,27 @@ def _has_fbgemm() -> bool:
 
 
 class Int4Kernel:
-    """Group-wise int4 weights packed for `_weight_int4pack_mm_for_cpu`."""
+    """Group-wise int4 weights: our kernel where it builds, else torch's `_weight_int4pack_mm_for_cpu`
+    (which dequantizes to float in the activation dtype: ~3x slower at one row here)."""
 
     def __init__(self, qw: QuantizedWeight, dtype: torch.dtype) -> None:
         assert qw.zeros is not None
+        self.dtype = dtype
         self.group_size = qw.group_size
+        self.native = cpu_kernels.Int4Weights(qw) if cpu_kernels.available() else None
+        if self.native is not None:
+            self.nbytes = self.native.nbytes
+            return
         self.packed = torch._convert_weight_to_int4pack_for_cpu(qw.unpacked(), 8)
         # (K/group, N, 2): scale and zero of each group, in the activation dtype as the kernel wants.
         self.scale_zeros = torch.stack((qw.scales.T, qw.zeros.T), dim=-1).contiguous().to(dtype)
         self.nbytes = self.packed.numel() + self.scale_zeros.numel() * self.scale_zeros.element_size()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.group_size, self.scale_zeros)
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.native is not None:
+            return cpu_kernels.int4_linear(x, self.native, bias, out_dtype=self.dtype)
+        out = torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.group_size, self.scale_zeros)
+        return out if bias is None else out + bias
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,11 +191,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
-            # The runner pads a lone token to two identical rows (bf16 batch invariance); quantized
-            # kernels treat rows independently, so compute one: ~20% of a batch-1 decode step.
-            lone = x.shape[0] == 2 and torch.equal(x[0], x[1])
-            out = self.kernel(x[:1]).expand(2, -1) if lone else self.kernel(x)
-            return out if self.bias is None else out + self.bias
+            return self.kernel(x, None if self.bias is None else self.bias.detach())
         if self.packed is not None:
             bias = None if self.bias is None else self.bias.detach()
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
@@ -170,21 +210,19 @@ class Linear(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Token embeddings; int8 rows (one scale each) when the table is shared with a quantized head."""
+    """Token embeddings; quantized rows (int8, or a GGUF's own int4 blocks) when the table is quantized."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))
-        self.q: torch.Tensor | None = None
-        self.row_scales = torch.empty(0)
+        self.quantized: QuantizedWeight | None = None
         self.dtype = torch.bfloat16
 
     def set_quantized(self, qw: QuantizedWeight, dtype: torch.dtype) -> None:
-        assert qw.format == "int8", "embedding rows are int8 (their scales are the head's channel scales)"
-        self.q, self.row_scales, self.dtype = qw.q, qw.scales.float()[:, None], dtype
+        self.quantized, self.dtype = qw, dtype
         self.weight = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.q is None:
+        if self.quantized is None:
             return F.embedding(ids, self.weight)
-        return (self.q[ids].float() * self.row_scales[ids]).to(self.dtype)
+        return self.quantized.rows(ids).dequantize().to(self.dtype)

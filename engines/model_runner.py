@@ -25,6 +25,9 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.backend = TorchPagedAttention(cache)
+        # Float models pad a lone token to two rows (below); quantized kernels make no bit-exact
+        # promise across row counts, so padding would only double their work (~20% of a step).
+        self.pad_lone = model.weights_format == "bf16"
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], num_new: list[int]) -> list[int | None]:
@@ -49,7 +52,7 @@ class ModelRunner:
         tables = [seqs[i].block_table.block_ids for i in order]
         computed = [seqs[i].num_computed for i in order]
         new = [num_new[i] for i in order]
-        if len(input_ids) == 1:  # one row takes another matmul kernel: run it twice (see above)
+        if len(input_ids) == 1 and self.pad_lone:  # one row takes another matmul kernel: run it twice
             input_ids, positions, tables, computed, new = (
                 input_ids * 2,
                 positions * 2,
@@ -61,7 +64,8 @@ class ModelRunner:
         hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), self.backend, meta)
         result: list[int | None] = [None] * len(seqs)
         if sample_rows:
-            rows = sample_rows if len(sample_rows) > 1 else sample_rows * 2  # the lm_head too: never one row
+            pad = len(sample_rows) == 1 and self.pad_lone
+            rows = sample_rows * 2 if pad else sample_rows  # the lm_head too: never one row
             logits = self.model.compute_logits(hidden[rows])[: len(sample_rows)]
             tokens = sample(logits, [seqs[i].sampling for i in sample_seqs])
             for i, token in zip(sample_seqs, tokens, strict=True):

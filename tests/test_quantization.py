@@ -13,6 +13,7 @@ import torch
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize as gguf_dequantize
 
+from engines import cpu_kernels
 from engines.engine import Engine, EngineConfig
 from engines.gguf_quant import target_format, to_quantized
 from engines.linear import Int8Kernel, Linear
@@ -41,21 +42,31 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
+@pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 5, 40])
-def test_quantized_linear_matches_the_dequantized_reference(fmt: str, dtype: torch.dtype, rows: int) -> None:
+def test_quantized_linear_matches_the_dequantized_reference(
+    fmt: str, dtype: torch.dtype, rows: int, native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if native and not cpu_kernels.available():
+        pytest.skip("our kernels need an AVX2 CPU and a C++ compiler")
+    monkeypatch.setattr("engines.linear.cpu_kernels.available", lambda: native)  # False: torch's kernels
     qw = quantize_int8(weight()) if fmt == "int8" else quantize_int4(weight())
     x = torch.randn(rows, K).to(dtype)
     ref = x.float() @ qw.dequantize().T
-    # bf16 activations and scales round at ~0.4%; fp32 is exact up to summation order.
-    assert rel_error(layer(qw, dtype)(x), ref) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+    lin = layer(qw, dtype)
+    assert (lin.kernel.native is not None) == native
+    # Ours quantizes activations to int8 per 32 values (~0.5%; exactness against an emulation of
+    # that is tests/test_cpu_kernels.py). torch's are weight-only: bf16 activations and scales round
+    # at ~0.4%, fp32 is exact up to summation order.
+    assert rel_error(lin(x), ref) < (1e-2 if native or dtype == torch.bfloat16 else 1e-5)
     # ...and the dequantized weight is close to the original (the quantization error itself).
     assert rel_error(x.float() @ qw.dequantize().T, x.float() @ weight().T) < (0.01 if fmt == "int8" else 0.1)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_a_wrong_packing_fails_the_reference_check(fmt: str) -> None:
+def test_a_wrong_packing_fails_the_reference_check(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
     qw = quantize_int8(weight()) if fmt == "int8" else quantize_int4(weight())
     if fmt == "int8":  # codes of the transposed layout, reshaped back
         broken = QuantizedWeight("int8", qw.q.T.contiguous().view(N, K), qw.scales)
@@ -64,6 +75,8 @@ def test_a_wrong_packing_fails_the_reference_check(fmt: str) -> None:
         swapped = torch.stack((codes[:, 1::2], codes[:, 0::2]), dim=-1).view(N, K)
         broken = QuantizedWeight("int4", pack_int4(swapped), qw.scales, qw.zeros, qw.group_size)
     x = torch.randn(8, K)
+    assert rel_error(layer(broken, torch.float32)(x), x @ qw.dequantize().T) > 0.5  # the kernel at hand
+    monkeypatch.setattr("engines.linear.cpu_kernels.available", lambda: False)  # and torch's
     assert rel_error(layer(broken, torch.float32)(x), x @ qw.dequantize().T) > 0.5
 
 
@@ -95,7 +108,8 @@ def test_int8_by_int8_keeps_outlier_channels_out_of_the_activation_scale(
     # Rows are quantized one by one: a row's output does not depend on the others in the batch.
     for i in (0, 5, 31):
         assert torch.allclose(calibrated(x[i : i + 1]), calibrated(x)[i : i + 1], rtol=1e-5, atol=1e-5)
-    weight_only = Int8Kernel(quantize_int8(w), torch.float32)  # uncalibrated: activations stay float
+    monkeypatch.setattr("engines.linear.cpu_kernels.available", lambda: False)
+    weight_only = Int8Kernel(quantize_int8(w), torch.float32)  # uncalibrated, torch's: activations stay float
     assert rel_error(weight_only(x), ref) < 1e-5
 
 
@@ -195,13 +209,14 @@ def test_engine_serves_every_weight_and_kv_combination(tiny_dir: Path, weights: 
 def test_gguf_q4_model_keeps_its_blocks_and_greedy_text(smollm2_dir: Path) -> None:
     """SmolLM2's GGUF is Q4_1: loaded straight from its blocks vs dequantized to bf16 and quantized to
     int4 again (each group's own min/max grid, which matches the file's only where a group uses codes
-    0 and 15). Greedy text must match, or diverge only at a near-tie of the two best tokens."""
+    0 and 15). Greedy text must match, or diverge only where the two models nearly tie."""
     from conftest import MODELS_HOME
 
     from engines.quantized_checkpoint import fetch_quantized
 
     native = Engine.from_dir(fetch_quantized("smollm2-135m-instruct", MODELS_HOME, "int4", progress=False))
     requant = Engine.from_dir(smollm2_dir, weights="int4")
+    source = Engine.from_dir(smollm2_dir)  # bf16, dequantized from the GGUF file
     linears = [m for m in native.model.layers.modules() if isinstance(m, Linear)]
     assert {m.format for m in linears} == {"int4"}  # 4-bit in memory, not bf16
     questions = [
@@ -220,14 +235,15 @@ def test_gguf_q4_model_keeps_its_blocks_and_greedy_text(smollm2_dir: Path) -> No
     for p, x, y in zip(prompts, a, b, strict=True):
         if x == y:
             continue
-        # A divergence is explained when, at its first differing token, the re-quantized model's two
-        # best tokens are the two choices, within half a logit: a near-tie that the two quantizations
-        # of the same weights break differently (a one-pass recomputation may even break it either way).
+        # A divergence is explained when, at its first differing token, the two choices are the top
+        # two of the float model dequantized from the same file (the weights both start from) within
+        # one logit: a near-tie that two quantizations break differently. Both quantize activations
+        # to int8 on our kernels, and bf16 logits here move in steps of 0.125-0.25.
         i = next(j for j, (s, t) in enumerate(zip(x, y, strict=True)) if s != t)
-        top = logits(requant.model, p + y[:i])[-1].topk(2)
+        top = logits(source.model, p + x[:i])[-1].topk(2)
         assert set(top.indices.tolist()) == {x[i], y[i]}, f"token {i}: {x[i]} and {y[i]} are not the top two"
         margin = (top.values[0] - top.values[1]).item()
-        assert margin < 0.5, f"diverged at token {i} with a margin of {margin:.2f} logits"
+        assert margin < 1.0, f"diverged at token {i} with a margin of {margin:.2f} logits"
         explained.append((i, round(margin, 3)))
     print(f"identical: {8 - len(explained)}/8; divergences (token, margin): {explained}")
 

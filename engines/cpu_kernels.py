@@ -1,0 +1,238 @@
+"""Our own CPU kernels (`engines/csrc/quant_gemm.cpp`): int4 and int8 weight GEMMs on AVX2 integer dot
+products, built on first use with the system's C++ compiler and loaded with ctypes.
+
+Why our own: torch's int4 kernel dequantizes to float and is compute-bound (~35 G weights/s on two
+cores), and its weight-only int8 kernel streams ~18 GB/s; decode wants the memory's ~40 GB/s. These
+kernels quantize each token's activations to int8 in groups of 32 (llama.cpp's Q8_0) and multiply
+codes directly, as llama.cpp does.
+
+The library links the same OpenMP runtime torch loaded (same soname), so it shares torch's threads and
+honours OMP_NUM_THREADS. Built once per source, flags and compiler into `$SWITCHBOARD_HOME/kernels`.
+Where there is no compiler or no AVX2 (or `SWITCHBOARD_NATIVE_KERNELS=0`), `available()` is False and
+`engines.linear` falls back to torch's kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from engines.quantize import QuantizedWeight, unpack_int4
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "quant_gemm.cpp"
+FLAGS = [
+    *os.environ.get("SB_EXTRA", "").split(),
+    "-O3",
+    "-std=c++17",
+    "-mavx2",
+    "-mfma",
+    "-mf16c",
+    "-fopenmp",
+    "-shared",
+    "-fPIC",
+]
+GROUP = 32
+
+
+def _cpu_has_avx2() -> bool:
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def _build(cxx: str) -> Path:
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([*FLAGS, version]).encode()).hexdigest()[:16]
+    home = Path(os.environ.get("SWITCHBOARD_HOME", "~/.cache/switchboard")).expanduser()
+    target = home / "kernels" / f"quant_gemm-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            subprocess.run([cxx, *FLAGS, "-o", str(built), str(SOURCE)], capture_output=True, text=True, check=True)
+            built.replace(target)  # atomic: concurrent builders each install a complete file
+    return target
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None where they cannot run here (the reason is logged once)."""
+    if os.environ.get("SWITCHBOARD_NATIVE_KERNELS", "1") == "0":
+        return None
+    if not _cpu_has_avx2():
+        log.info("native kernels off: the CPU has no AVX2")
+        return None
+    cxx = _compiler()
+    if cxx is None:
+        log.warning("native kernels off: no C++ compiler (g++) found; using torch's slower quantized kernels")
+        return None
+    try:
+        path = _build(cxx)
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        log.warning("native kernels off: building %s failed: %s", SOURCE.name, detail.strip()[-2000:])
+        return None
+    lib = ctypes.CDLL(str(path))
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.sb_int4_linear.argtypes = [p, i, i, i, i, p, p, p, i]
+    lib.sb_int8_linear.argtypes = [p, i, i, i, i, p, p, p, p, i]
+    lib.sb_quantize_acts.argtypes = [p, i, i, i, p, p, p]
+    for f in (lib.sb_int4_linear, lib.sb_int8_linear, lib.sb_quantize_acts):
+        f.restype = None
+    lib.sb_int4_bytes.argtypes = [i, i]
+    lib.sb_int4_bytes.restype = ctypes.c_size_t
+    return lib
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """x as contiguous bf16 or fp32 rows, and whether it is bf16."""
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        x = x.float()
+    return x.contiguous(), int(x.dtype == torch.bfloat16)
+
+
+ROWS = 4  # output rows per block in the kernels' layouts
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1) + (0, rows - t.shape[0])) if rows > t.shape[0] else t
+
+
+class Int4Weights:
+    """An int4 weight in the kernel's layout (see quant_gemm.cpp): blocks of 4 rows, each one run of
+    chunks of up to 8 groups: per row, 8 fp16 scales, 8 fp16 mins (w = q·scale + min), then the codes,
+    two groups per 32 bytes (low nibbles the first group)."""
+
+    def __init__(self, qw: QuantizedWeight) -> None:
+        n, k = qw.shape
+        if qw.format != "int4" or qw.group_size != GROUP or k % GROUP:
+            raise ValueError(f"the native int4 kernel takes groups of {GROUP}, got {qw.format}/{qw.group_size}")
+        assert qw.zeros is not None
+        groups = k // GROUP
+        chunks = -(-groups // 8)
+        rows = -(-n // ROWS) * ROWS
+        codes = _pad_rows(unpack_int4(qw.q).to(torch.uint8), rows).view(rows, groups, GROUP)
+        codes = torch.nn.functional.pad(codes, (0, 0, 0, chunks * 8 - groups))  # zero codes for padded groups
+        pairs = codes.view(rows, chunks, 4, 2, GROUP)
+        packed = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).view(rows, chunks, 4 * GROUP)
+        scales = qw.scales.float()
+        # (q - 8)·scale + zero = q·scale + (zero - 8·scale)
+        mins = qw.zeros.float() - 8 * scales
+        head = torch.stack([_pad_rows(t, rows) for t in (scales, mins)], dim=1)  # (rows, 2, groups)
+        head = torch.nn.functional.pad(head, (0, chunks * 8 - groups)).to(torch.float16)
+        head = head.view(rows, 2, chunks, 8).permute(0, 2, 1, 3).contiguous().view(torch.uint8)  # (rows, chunks, 32)
+        full = torch.cat((head.view(rows, chunks, 32), packed), dim=2)  # (rows, chunks, 160)
+        full = full.view(rows // ROWS, ROWS, chunks, 160).transpose(1, 2)  # (blocks, chunks, 4 rows, 160)
+        rest = groups - 8 * (chunks - 1)
+        if rest == 8:
+            blob = full.reshape(rows // ROWS, -1)
+        else:  # the last chunk keeps only the pairs it needs
+            last = full[:, -1, :, : 32 + 32 * -(-rest // 2)]
+            blob = torch.cat((full[:, :-1].reshape(rows // ROWS, -1), last.reshape(rows // ROWS, -1)), dim=1)
+        self.packed = blob.contiguous().view(-1)
+        lib = library()
+        assert lib is None or self.packed.numel() == lib.sb_int4_bytes(n, k), "layout size disagrees with the kernel"
+        self.shape = (n, k)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel()
+
+
+class Int8Weights:
+    """A per-row int8 weight in the kernel's layout: blocks of 4 rows, the rows' 32 codes of each group
+    side by side; one fp32 scale per row (w = q·scale)."""
+
+    def __init__(self, qw: QuantizedWeight) -> None:
+        n, k = qw.shape
+        if qw.format != "int8" or k % GROUP:
+            raise ValueError(f"the native int8 kernel takes per-row int8 weights with K a multiple of {GROUP}")
+        rows = -(-n // ROWS) * ROWS
+        q = _pad_rows(qw.q, rows).view(rows // ROWS, ROWS, k // GROUP, GROUP).transpose(1, 2)
+        self.packed = q.contiguous().view(-1)
+        self.scales = _pad_rows(qw.scales.float(), rows).contiguous()
+        self.shape = (n, k)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() + 4 * self.scales.numel()
+
+
+def int4_linear(
+    x: torch.Tensor, w: Int4Weights, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    lib = library()
+    assert lib is not None, "native kernels are not available"
+    n, k = w.shape
+    xc, bf16 = _rows(x)
+    out = torch.empty(xc.shape[0], n, dtype=out_dtype or x.dtype)
+    assert out.dtype in (torch.bfloat16, torch.float32) and xc.shape[1] == k
+    b = None if bias is None else bias.float().contiguous()
+    lib.sb_int4_linear(
+        xc.data_ptr(), bf16, xc.shape[0], k, n, w.packed.data_ptr(), _ptr(b), out.data_ptr(),
+        int(out.dtype == torch.bfloat16),
+    )  # fmt: skip
+    return out
+
+
+def int8_linear(
+    x: torch.Tensor, w: Int8Weights, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    lib = library()
+    assert lib is not None, "native kernels are not available"
+    n, k = w.shape
+    xc, bf16 = _rows(x)
+    out = torch.empty(xc.shape[0], n, dtype=out_dtype or x.dtype)
+    assert out.dtype in (torch.bfloat16, torch.float32) and xc.shape[1] == k
+    b = None if bias is None else bias.float().contiguous()
+    lib.sb_int8_linear(
+        xc.data_ptr(), bf16, xc.shape[0], k, n, w.packed.data_ptr(), w.scales.data_ptr(), _ptr(b), out.data_ptr(),
+        int(out.dtype == torch.bfloat16),
+    )  # fmt: skip
+    return out
+
+
+def quantize_acts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernels' activation quantization: (codes (M, K) int8, scales d (M, K/32), d·Σcodes (M, K/32))."""
+    lib = library()
+    assert lib is not None, "native kernels are not available"
+    xc, bf16 = _rows(x)
+    m, k = xc.shape
+    q = torch.empty(m, k, dtype=torch.int8)
+    d = torch.empty(m, k // GROUP)
+    s = torch.empty(m, k // GROUP)
+    lib.sb_quantize_acts(xc.data_ptr(), bf16, m, k, q.data_ptr(), d.data_ptr(), s.data_ptr())
+    return q, d, s
+
+
+def reference_quantize_acts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The same activation quantization in torch: symmetric int8 per 32-value group, round half to even."""
+    xf = x.float()
+    m, k = xf.shape
+    groups = xf.view(m, k // GROUP, GROUP)
+    amax = groups.abs().amax(dim=-1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(groups * inv[..., None]).to(torch.int8).view(m, k)
+    d = amax / 127.0
+    return q, d, d * q.view(m, k // GROUP, GROUP).float().sum(dim=-1)
