@@ -57,10 +57,32 @@ class ExtendSpan:
 
 
 @dataclass(frozen=True)
+class RowTables:
+    """Per query row, where its sequence's blocks are and how many positions it sees: the form the
+    native backend (`engines.cpu_attention`) reads, unpadded."""
+
+    tables: torch.Tensor  # int32, every sequence's block ids back to back
+    row_table: torch.Tensor  # int32 (num_tokens,): where row t's sequence starts in `tables`
+    row_len: torch.Tensor  # int32 (num_tokens,): positions row t attends to (its own position + 1)
+
+    @classmethod
+    def build(cls, block_tables: list[list[int]], num_computed: list[int], num_new: list[int]) -> RowTables:
+        flat: list[int] = []
+        starts: list[int] = []
+        lens: list[int] = []
+        for table, done, n in zip(block_tables, num_computed, num_new, strict=True):
+            starts += [len(flat)] * n
+            lens += range(done + 1, done + n + 1)
+            flat += table
+        return cls(*(torch.tensor(values, dtype=torch.int32) for values in (flat, starts, lens)))
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # (num_tokens,) cache slot of each new token's key and value
     decode_groups: tuple[DecodeGroup, ...]  # the first rows, one query token per sequence
     extends: tuple[ExtendSpan, ...]
+    rows: RowTables
 
     @property
     def num_decode(self) -> int:
@@ -101,7 +123,7 @@ class AttentionMetadata:
             extends.append(ExtendSpan(row, n, done, ids))
             row += n
         slot_mapping = torch.cat(slots) if slots else torch.empty(0, dtype=torch.long)
-        return cls(slot_mapping, tuple(groups), tuple(extends))
+        return cls(slot_mapping, tuple(groups), tuple(extends), RowTables.build(block_tables, num_computed, num_new))
 
 
 class AttentionBackend(Protocol):

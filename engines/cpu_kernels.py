@@ -1,5 +1,6 @@
-"""Our own CPU kernels (`engines/csrc/quant_gemm.cpp`): int4 and int8 weight GEMMs on AVX2 integer dot
-products, built on first use with the system's C++ compiler and loaded with ctypes.
+"""Our own CPU kernels (`engines/csrc/`): int4 and int8 weight GEMMs on AVX2 integer dot products
+(`quant_gemm.cpp`, wrapped here) and fused decoder ops (`cpu_ops.cpp`, wrapped in `engines.cpu_ops`),
+built on first use with the system's C++ compiler and loaded with ctypes.
 
 Why our own: torch's int4 kernel dequantizes to float and is compute-bound (~35 G weights/s on two
 cores), and its weight-only int8 kernel streams ~18 GB/s; decode wants the memory's ~40 GB/s. These
@@ -30,8 +31,10 @@ from engines.quantize import QuantizedWeight, unpack_int4
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "quant_gemm.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("quant_gemm.cpp", "cpu_ops.cpp")]
+# -ffp-contract=off: no fused multiply-adds but the ones written out, so elementwise ops round as torch's do.
 FLAGS = [
+    "-ffp-contract=off",
     *os.environ.get("SB_EXTRA", "").split(),
     "-O3",
     "-std=c++17",
@@ -55,14 +58,17 @@ def _compiler() -> str | None:
 
 def _build(cxx: str) -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([*FLAGS, version]).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(" ".join([*FLAGS, version]).encode())
+    for source in SOURCES:
+        digest.update(source.read_bytes())
     home = Path(os.environ.get("SWITCHBOARD_HOME", "~/.cache/switchboard")).expanduser()
-    target = home / "kernels" / f"quant_gemm-{key}.so"
+    target = home / "kernels" / f"switchboard-cpu-{digest.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            subprocess.run([cxx, *FLAGS, "-o", str(built), str(SOURCE)], capture_output=True, text=True, check=True)
+            cmd = [cxx, *FLAGS, "-o", str(built), *map(str, SOURCES)]
+            subprocess.run(cmd, capture_output=True, text=True, check=True)
             built.replace(target)  # atomic: concurrent builders each install a complete file
     return target
 
@@ -83,7 +89,7 @@ def library() -> ctypes.CDLL | None:
         path = _build(cxx)
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
-        log.warning("native kernels off: building %s failed: %s", SOURCE.name, detail.strip()[-2000:])
+        log.warning("native kernels off: building them failed: %s", detail.strip()[-2000:])
         return None
     lib = ctypes.CDLL(str(path))
     p, i = ctypes.c_void_p, ctypes.c_int
@@ -94,6 +100,13 @@ def library() -> ctypes.CDLL | None:
         f.restype = None
     lib.sb_int4_bytes.argtypes = [i, i]
     lib.sb_int4_bytes.restype = ctypes.c_size_t
+    f, long = ctypes.c_float, ctypes.c_long
+    lib.sb_rms_norm.argtypes = [p, p, p, p, i, i, f, i]
+    lib.sb_rope.argtypes = [p, i, p, i, long, p, p, i, i, i]
+    lib.sb_silu_mul.argtypes = [p, p, i, i, i]
+    lib.sb_paged_attention.argtypes = [p, long, p, i, i, i, i, p, p, p, p, i, i, i, p, p, p, f, i]
+    for fn in (lib.sb_rms_norm, lib.sb_rope, lib.sb_silu_mul, lib.sb_paged_attention):
+        fn.restype = None
     return lib
 
 

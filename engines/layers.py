@@ -2,6 +2,8 @@
 
 Tensors are flat over tokens: (num_tokens, ...) with no batch dimension, so a later batch of many
 sequences is just more rows. Numerics follow HF transformers (norms in fp32, RoPE tables in fp32).
+Where our CPU library builds, the residual add with its norm, RoPE and SiLU·mul each run as one fused
+call (`engines.cpu_ops`, which rounds as these torch forms do); the torch forms stay the fallback.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engines import cpu_ops
 from engines.linear import Linear
 
 
@@ -20,9 +23,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
+        return self.add_norm(x, None)[0]
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(r), r) for r = residual + x (the pre-norm decoder's residual stream; r = x without one).
+        The fused path updates `residual` in place."""
+        if cpu_ops.usable(x, x.shape[-1]) and x.dim() == 2:
+            return cpu_ops.add_rms_norm(x, self.weight, self.eps, residual)
+        r = x if residual is None else residual + x
+        h = r.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return self.weight * h.to(r.dtype), r
 
 
 class RotaryEmbedding(nn.Module):
@@ -56,6 +67,19 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def rotate(
+    q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on q (tokens, q_heads·D) and k (tokens, k_heads·D) → (tokens, heads, D) each. The fused
+    path rotates them in place (they are views of the qkv projection's output)."""
+    n = q.shape[0]
+    cos, sin = rope
+    if cpu_ops.usable(q, head_dim // 2) and q.stride(-1) == 1 and k.stride(-1) == 1 and q.stride(0) == k.stride(0):
+        cpu_ops.rope_(q, k, cos, sin, head_dim)
+        return q.view(n, -1, head_dim), k.view(n, -1, head_dim)
+    return apply_rotary(q.view(n, -1, head_dim), cos, sin), apply_rotary(k.view(n, -1, head_dim), cos, sin)
+
+
 class SwiGLU(nn.Module):
     """gate and up projections fused into one matmul: one weight read per step instead of two."""
 
@@ -66,5 +90,8 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(intermediate, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if cpu_ops.usable(gate_up, self.intermediate):
+            return self.down_proj(cpu_ops.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from engines import cpu_attention
 from engines.attention import AttentionMetadata, TorchPagedAttention
 from engines.kv_cache import PagedKVCache
 from engines.models.llama import LlamaForCausalLM
@@ -24,7 +25,9 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache) -> None:
         self.model = model
         self.cache = cache
-        self.backend = TorchPagedAttention(cache)
+        cfg = model.config
+        native = cpu_attention.supports(cache, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.backend = cpu_attention.NativePagedAttention(cache) if native else TorchPagedAttention(cache)
         # Float models pad a lone token to two rows (below); quantized kernels make no bit-exact
         # promise across row counts, so padding would only double their work (~20% of a step).
         self.pad_lone = model.weights_format == "bf16"

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from engines.attention import AttentionBackend, AttentionMetadata
-from engines.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
+from engines.layers import RMSNorm, RotaryEmbedding, SwiGLU, rotate
 from engines.linear import Embedding, Linear
 from engines.model_config import ModelConfig
 
@@ -38,11 +38,8 @@ class SelfAttention(nn.Module):
     ) -> torch.Tensor:
         n = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
+        q, k = rotate(q, k, rope, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        cos, sin = rope
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = backend.forward(self.layer_idx, q, k, v, meta)
         return self.o_proj(out.reshape(n, self.q_size))
 
@@ -58,12 +55,17 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         rope: tuple[torch.Tensor, torch.Tensor],
         backend: AttentionBackend,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, backend, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): the next norm adds the two, so
+        each residual add is fused with the norm that follows it."""
+        hidden, residual = self.input_layernorm.add_norm(hidden, residual)
+        hidden = self.self_attn(hidden, rope, backend, meta)
+        hidden, residual = self.post_attention_layernorm.add_norm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -88,9 +90,10 @@ class LlamaForCausalLM(nn.Module):
         """Final hidden states, (num_tokens, hidden); `compute_logits` turns the rows you need into logits."""
         hidden = self.embed_tokens(input_ids)
         rope = self.rope(positions)
+        residual = None
         for layer in self.layers:
-            hidden = layer(hidden, rope, backend, meta)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, rope, backend, meta)
+        return self.norm.add_norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
