@@ -46,6 +46,10 @@ FLAGS = [
     "-fPIC",
 ]
 GROUP = 32
+# int8 weights: activations share a scale per 256 inputs, so the integer dot product runs 8 groups
+# between float steps (with 7-bit activations, as fast as fbgemm's int8 GEMM at 16 rows; see
+# quant_gemm.cpp); int4 weights change scale every 32, and take 8-bit activations.
+INT8_ACT_GROUP = 256
 
 
 def _cpu_has_avx2() -> bool:
@@ -94,8 +98,8 @@ def library() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(path))
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.sb_int4_linear.argtypes = [p, i, i, i, i, p, p, p, i]
-    lib.sb_int8_linear.argtypes = [p, i, i, i, i, p, p, p, p, i]
-    lib.sb_quantize_acts.argtypes = [p, i, i, i, p, p, p]
+    lib.sb_int8_linear.argtypes = [p, i, i, i, i, p, p, p, i, p, i, p, p, p, i]
+    lib.sb_quantize_acts.argtypes = [p, i, i, i, i, i, p, p, p]
     for f in (lib.sb_int4_linear, lib.sb_int8_linear, lib.sb_quantize_acts):
         f.restype = None
     lib.sb_int4_bytes.argtypes = [i, i]
@@ -175,21 +179,38 @@ class Int4Weights:
 
 class Int8Weights:
     """A per-row int8 weight in the kernel's layout: blocks of 4 rows, the rows' 32 codes of each group
-    side by side; one fp32 scale per row (w = q·scale)."""
+    side by side; one fp32 scale per row (w = q·scale). Calibrated weights also keep their outlier input
+    channels' codes in fp32 (the kernel adds those products outside the int8 dot product)."""
 
-    def __init__(self, qw: QuantizedWeight) -> None:
+    def __init__(self, qw: QuantizedWeight, act_group: int = INT8_ACT_GROUP) -> None:
         n, k = qw.shape
         if qw.format != "int8" or k % GROUP:
             raise ValueError(f"the native int8 kernel takes per-row int8 weights with K a multiple of {GROUP}")
+        if act_group % GROUP or not GROUP <= act_group <= 256:
+            raise ValueError(f"activation groups are a multiple of {GROUP} up to 256, not {act_group}")
         rows = -(-n // ROWS) * ROWS
         q = _pad_rows(qw.q, rows).view(rows // ROWS, ROWS, k // GROUP, GROUP).transpose(1, 2)
         self.packed = q.contiguous().view(-1)
         self.scales = _pad_rows(qw.scales.float(), rows).contiguous()
+        self.act_group = act_group
+        # 64 × each row's sum of codes per activation group (groups padded to 8): the kernel's
+        # activations are stored with +64, and this takes the offset back out.
+        groups = -(-k // act_group)
+        sums = torch.nn.functional.pad(qw.q.float(), (0, groups * act_group - k)).view(n, groups, act_group).sum(-1)
+        self.offset_w = _pad_rows(torch.nn.functional.pad(64 * sums, (0, -groups % 8)), rows).contiguous()
+        self.outliers = None if qw.outliers is None else qw.outliers.to(torch.int32).contiguous()
+        # Codes of the outlier columns as floats: the kernel multiplies every row by its scale last.
+        self.outlier_w = None
+        if qw.outliers is not None:
+            columns = qw.q[:, qw.outliers].float()
+            columns = torch.nn.functional.pad(columns, (0, -columns.shape[1] % 8))  # the kernel reads 8 at a time
+            self.outlier_w = _pad_rows(columns, rows).contiguous()
         self.shape = (n, k)
 
     @property
     def nbytes(self) -> int:
-        return self.packed.numel() + 4 * self.scales.numel()
+        extra = 0 if self.outlier_w is None else 4 * self.outlier_w.numel()
+        return self.packed.numel() + 4 * (self.scales.numel() + self.offset_w.numel()) + extra
 
 
 def int4_linear(
@@ -219,33 +240,51 @@ def int8_linear(
     out = torch.empty(xc.shape[0], n, dtype=out_dtype or x.dtype)
     assert out.dtype in (torch.bfloat16, torch.float32) and xc.shape[1] == k
     b = None if bias is None else bias.float().contiguous()
+    n_out = 0 if w.outliers is None else w.outliers.numel()
     lib.sb_int8_linear(
-        xc.data_ptr(), bf16, xc.shape[0], k, n, w.packed.data_ptr(), w.scales.data_ptr(), _ptr(b), out.data_ptr(),
-        int(out.dtype == torch.bfloat16),
+        xc.data_ptr(), bf16, xc.shape[0], k, n, w.packed.data_ptr(), w.scales.data_ptr(), w.offset_w.data_ptr(),
+        w.act_group,
+        _ptr(w.outliers), n_out, _ptr(w.outlier_w), _ptr(b), out.data_ptr(), int(out.dtype == torch.bfloat16),
     )  # fmt: skip
     return out
 
 
-def quantize_acts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The kernels' activation quantization: (codes (M, K) int8, scales d (M, K/32), d·Σcodes (M, K/32))."""
+def quantize_acts(
+    x: torch.Tensor, group: int = GROUP, bits: int = 8
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernels' activation quantization: (codes (M, K) int8, scales d (M, G), d·Σcodes (M, G)) for
+    G groups of `group` values (the last one may be shorter). `bits=7` is the int8 kernel's form
+    (codes in ±63), returned without the +64 it stores them with."""
     lib = library()
     assert lib is not None, "native kernels are not available"
     xc, bf16 = _rows(x)
     m, k = xc.shape
+    groups = -(-k // group)
     q = torch.empty(m, k, dtype=torch.int8)
-    d = torch.empty(m, k // GROUP)
-    s = torch.empty(m, k // GROUP)
-    lib.sb_quantize_acts(xc.data_ptr(), bf16, m, k, q.data_ptr(), d.data_ptr(), s.data_ptr())
-    return q, d, s
+    d = torch.empty(m, groups)
+    s = torch.empty(m, groups)
+    offset = 64 if bits == 7 else 0
+    lib.sb_quantize_acts(xc.data_ptr(), bf16, m, k, group, offset, q.data_ptr(), d.data_ptr(), s.data_ptr())
+    return q - offset, d, s
 
 
-def reference_quantize_acts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The same activation quantization in torch: symmetric int8 per 32-value group, round half to even."""
+def reference_quantize_acts(
+    x: torch.Tensor, group: int = GROUP, bits: int = 8
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The same activation quantization in torch: symmetric per group, round half to even."""
+    top = 127.0 if bits == 8 else 63.0
     xf = x.float()
-    m, k = xf.shape
-    groups = xf.view(m, k // GROUP, GROUP)
-    amax = groups.abs().amax(dim=-1)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    q = torch.round(groups * inv[..., None]).to(torch.int8).view(m, k)
-    d = amax / 127.0
-    return q, d, d * q.view(m, k // GROUP, GROUP).float().sum(dim=-1)
+    k = xf.shape[1]
+    codes, scales, sums = [], [], []
+    for start in range(0, k, group):
+        part = xf[:, start : start + group]
+        amax = part.abs().amax(dim=-1, keepdim=True)
+        # torch.full_like(...) / amax, not 127.0 / amax: torch computes a scalar over a tensor as
+        # reciprocal × scalar, which rounds differently from the kernels' one division.
+        inv = torch.where(amax > 0, torch.full_like(amax, top) / amax, torch.zeros_like(amax))
+        q = torch.round(part * inv).to(torch.int8)
+        d = amax / top
+        codes.append(q)
+        scales.append(d)
+        sums.append(d * q.float().sum(dim=-1, keepdim=True))
+    return torch.cat(codes, dim=1), torch.cat(scales, dim=1), torch.cat(sums, dim=1)

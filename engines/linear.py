@@ -47,20 +47,28 @@ def _mkldnn_bf16() -> bool:
 class Int8Kernel:
     """Per-channel int8 weights.
 
-    Calibrated layers (`outliers` known) run int8×int8 at every batch size on fbgemm's packed dynamic
-    linear, the fastest int8 kernel torch has here: over 28 layers' worth of Qwen-1.5B weights (out of
-    cache) it streamed 31 GB/s at 1 row vs 18 for `_weight_int8pack_mm` and 25 for `_int_mm`, and ran
-    16 rows 1.8x faster than `_int_mm`. fbgemm quantizes activations over the whole tensor's [min, max],
-    so each row is scaled to unit max and two extra input columns holding +1 and -1 (zero weights)
-    pin that range to [-1, 1]: per-token quantization in effect, each row independent of its batch.
-    A few input channels run 100x the rest (SmolLM2: +3.9% perplexity if quantized with them), so
-    those are left out of the int8 product and added in fp32 from the same weight's columns.
-    Uncalibrated layers use the weight-only kernel, whose numerics do not depend on activations.
+    Where our kernels build: `engines.cpu_kernels.int8_linear` at every batch size, int8×int8 with
+    activations quantized per 256 inputs and, for calibrated layers, the outlier input channels kept
+    out of the int8 activations and added in fp32 (LLM.int8()'s decomposition with fixed channels: a
+    few channels run 100x the rest, and quantized with them SmolLM2 lost 3.9% perplexity). Each row is
+    computed alone, so results do not depend on the batch.
+
+    Elsewhere, torch's: calibrated layers run fbgemm's packed dynamic linear. fbgemm quantizes
+    activations over the whole tensor's [min, max], so each row is scaled to unit max and two extra
+    input columns holding +1 and -1 (zero weights) pin that range to [-1, 1]: per-token quantization in
+    effect. On CPUs without VNNI its u8×s8 pair sums saturate, so activations get 7 bits there, which
+    cost SmolLM2 +1.8% perplexity against +0.6% for ours on an AVX2 EPYC. Uncalibrated layers use the
+    weight-only `_weight_int8pack_mm`.
     """
 
     def __init__(self, qw: QuantizedWeight, dtype: torch.dtype) -> None:
         self.dtype = dtype
         self.outliers = qw.outliers
+        self.nbytes = qw.q.numel() + qw.scales.numel() * 4
+        self.native = cpu_kernels.Int8Weights(qw) if cpu_kernels.available() else None
+        if self.native is not None:
+            self.nbytes = self.native.nbytes
+            return
         self.scales = qw.scales.to(dtype)  # the weight-only kernel wants the activation dtype
         self.packed = None
         if qw.outliers is not None and _has_fbgemm():
@@ -74,14 +82,10 @@ class Int8Kernel:
         self.outlier_w = None
         if qw.outliers is not None:
             self.outlier_w = (qw.q[:, qw.outliers].float() * qw.scales.float()[:, None]).T.contiguous()
-        # Uncalibrated: our kernel where it builds (it quantizes activations in groups of 32, so one
-        # outlier channel coarsens only its own group), else torch's weight-only kernel.
-        self.native = cpu_kernels.Int8Weights(qw) if qw.outliers is None and cpu_kernels.available() else None
-        self.q = None if self.packed is not None or self.native is not None else qw.q.contiguous()
+        self.q = None if self.packed is not None else qw.q.contiguous()
         if self.q is not None and self.q.data_ptr() % 64:  # `_weight_int8pack_mm` crashes on misaligned weights
             self.q = self.q.clone()
         self.scales32 = qw.scales.float()
-        self.nbytes = qw.q.numel() + qw.scales.numel() * 4
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.native is not None:
@@ -118,6 +122,7 @@ def _cpu_flags() -> set[str]:
 # Without VNNI, fbgemm multiplies u8 activations by s8 weights with vpmaddubsw, whose int16 pair sums
 # saturate (255·127·2 > 32767): on an AVX2 EPYC, 3.3% error on the ordinary channels instead of <2%.
 # Seven-bit activations (reduce_range) cannot saturate; with AVX-512 VNNI the full 8 bits are safe.
+# (Our kernel multiplies |w| by x with w's sign: at most 2·127·127, never saturating.)
 _REDUCE_RANGE = "avx512_vnni" not in _cpu_flags()
 
 

@@ -25,11 +25,11 @@ def test_the_kernels_build_and_load_here() -> None:
     assert ck.available()
 
 
-def emulate_acts(x: torch.Tensor) -> torch.Tensor:
-    """The activations the kernels multiply with: int8 codes × group scale, per group of 32."""
-    q, d, _ = ck.reference_quantize_acts(x)
-    m, k = x.shape
-    return (q.float().view(m, k // 32, 32) * d[..., None]).view(m, k)
+def emulate_acts(x: torch.Tensor, group: int = 32, bits: int = 8) -> torch.Tensor:
+    """The activations the kernels multiply with: integer codes × their group's scale (int4 weights
+    take 8-bit activations per 32 values, int8 weights 7-bit ones per `group`)."""
+    q, d, _ = ck.reference_quantize_acts(x, group, bits)
+    return q.float() * d.repeat_interleave(group, dim=1)[:, : x.shape[1]]
 
 
 def emulate_int4_weight(qw: QuantizedWeight) -> torch.Tensor:
@@ -46,17 +46,20 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+@pytest.mark.parametrize("bits", [8, 7])
+@pytest.mark.parametrize("group", [32, 96, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_activation_quantization_matches_the_reference(dtype: torch.dtype) -> None:
+def test_activation_quantization_matches_the_reference(dtype: torch.dtype, group: int, bits: int) -> None:
     torch.manual_seed(0)
-    x = (torch.randn(7, 288) * torch.logspace(-3, 2, 288)).to(dtype)  # groups of very different ranges
-    x[2, 32:64] = 0  # an all-zero group: scale 0, codes 0
-    q, d, s = ck.quantize_acts(x)
-    rq, rd, rs = ck.reference_quantize_acts(x)
+    x = (torch.randn(7, 608) * torch.logspace(-3, 2, 608)).to(dtype)  # groups of very different ranges
+    x[2, :group] = 0  # an all-zero group: scale 0, codes 0
+    q, d, s = ck.quantize_acts(x, group, bits)  # 608 = 2·256 + 96: a shorter last group
+    rq, rd, rs = ck.reference_quantize_acts(x, group, bits)
+    assert q.abs().max() == 2 ** (bits - 1) - 1
     assert torch.equal(q, rq)
     assert torch.equal(d, rd)
     torch.testing.assert_close(s, rs, rtol=1e-6, atol=1e-6)
-    assert (q[2, 32:64] == 0).all() and d[2, 1] == 0
+    assert (q[2, :group] == 0).all() and d[2, 0] == 0
 
 
 @pytest.mark.parametrize(("n", "k"), SHAPES)
@@ -73,16 +76,41 @@ def test_int4_kernel_computes_exactly_its_emulation(n: int, k: int, rows: int) -
     assert rel(out, x @ qw.dequantize().T) < 0.02
 
 
+@pytest.mark.parametrize("group", [32, 128, ck.INT8_ACT_GROUP])
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 @pytest.mark.parametrize("rows", [1, 3, 6])
-def test_int8_kernel_computes_exactly_its_emulation(n: int, k: int, rows: int) -> None:
+def test_int8_kernel_computes_exactly_its_emulation(n: int, k: int, rows: int, group: int) -> None:
     torch.manual_seed(n * k + rows)
     w = torch.randn(n, k) * 0.05
     qw = quantize_int8(w)
     x = torch.randn(rows, k)
+    out = ck.int8_linear(x, ck.Int8Weights(qw, group), out_dtype=torch.float32)
+    assert rel(out, emulate_acts(x, group, bits=7) @ qw.dequantize().T) < 2e-6
+    assert rel(out, x @ w.T) < 0.03
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_int8_outlier_channels_stay_out_of_the_int8_activations(rows: int) -> None:
+    torch.manual_seed(6)
+    n, k = 40, 576
+    w = torch.randn(n, k) * 0.05
+    x = torch.randn(rows, k)
+    x[:, [3, 300]] *= 200  # two channels far above the rest, as in real decoders
+    outliers = torch.tensor([3, 300])
+    qw = quantize_int8(w, outliers=outliers)
     out = ck.int8_linear(x, ck.Int8Weights(qw), out_dtype=torch.float32)
-    assert rel(out, emulate_acts(x) @ qw.dequantize().T) < 2e-6
-    assert rel(out, x @ w.T) < 0.02
+    inliers = x.index_fill(1, outliers, 0.0)
+    expected = (
+        emulate_acts(inliers, ck.INT8_ACT_GROUP, bits=7) @ qw.dequantize().T
+        + x[:, outliers] @ qw.dequantize()[:, outliers].T
+    )
+    assert rel(out, expected) < 2e-6
+    # Against the float product, measured on the ordinary channels' share of the output (which the
+    # outliers swamp): kept in the int8 activations, the outliers flatten every other channel.
+    ordinary = (inliers @ qw.dequantize().T).norm()
+    assert (out - x @ qw.dequantize().T).norm() / ordinary < 0.02
+    plain = ck.int8_linear(x, ck.Int8Weights(quantize_int8(w)), out_dtype=torch.float32)
+    assert (plain - x @ qw.dequantize().T).norm() / ordinary > 0.1
 
 
 def test_bias_and_bf16_output() -> None:
@@ -126,7 +154,7 @@ def test_broken_layouts_fail_the_check() -> None:
     swapped = QuantizedWeight("int4", pack_int4(codes), qw.scales, qw.zeros, qw.group_size)
     assert rel(ck.int4_linear(x, ck.Int4Weights(swapped), out_dtype=torch.float32), ref) > 0.5
     q8 = quantize_int8(w)
-    ref8 = emulate_acts(x) @ q8.dequantize().T
+    ref8 = emulate_acts(x, ck.INT8_ACT_GROUP, bits=7) @ q8.dequantize().T
     rows = ck.Int8Weights(q8)
     rows.packed = rows.packed.view(n // 4, -1, 4, 32).flip(2).contiguous().view(-1)
     assert rel(ck.int8_linear(x, rows, out_dtype=torch.float32), ref8) > 0.5

@@ -18,6 +18,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <vector>
+
 #ifndef SB_PREFETCH
 #define SB_PREFETCH 4096  // bytes ahead of the read position: 4-16 KB measured best (64 B-1 KB: -25-40%)
 #endif
@@ -26,6 +28,7 @@ namespace {
 
 constexpr int G = 32;    // values per quantization group (weights and activations)
 constexpr int ROWS = 4;  // output rows per block: the activations are loaded once for all four
+constexpr int MT = 4;    // activation rows per block call
 
 inline float bf16_to_f32(uint16_t h) {
     uint32_t u = static_cast<uint32_t>(h) << 16;
@@ -61,19 +64,32 @@ inline __m256 lane(__m256 v, int j) { return _mm256_permutevar8x32_ps(v, _mm256_
 
 inline __m256i sum_pairs(__m256i p16) { return _mm256_madd_epi16(p16, _mm256_set1_epi16(1)); }
 
-// Quantized activations: per row, int8 codes, a scale per group (d) and d·Σcodes per group (s). With
-// the quantized sum, an int4 weight's min term sees the same activations as its code term, so the two
-// cancel as in the float product (the exact float sum made errors about 2x larger). d and s rows are
-// padded with zeros to a multiple of 8 groups, so a chunk's vector loads never read garbage.
+// Quantized activations: per row, int8 codes with one scale d per group of `ag` values (32 for int4
+// weights, whose own scales change every 32 inputs anyway; more for int8 weights, so the integer dot
+// product runs longer between float steps), and per group d·Σcodes (s). With the quantized sum, an int4
+// weight's min term sees the same activations as its code term, so the two cancel as in the float
+// product (the exact float sum made errors about 2x larger). d and s rows are padded with zeros to a
+// multiple of 8 groups, so a chunk's vector loads never read garbage. For int8 weights the codes are
+// 7-bit and stored with +64, unsigned: see int8_block for why. Optional outlier channels are
+// taken out before quantizing (zeroed, their float values kept in `side`): a calibrated int8 layer adds
+// their products in fp32 (LLM.int8()'s decomposition with fixed channels).
 struct Acts {
     int8_t* q = nullptr;
     float* d = nullptr;
     float* s = nullptr;
+    float* side = nullptr;
     int K = 0;
+    int ag = G;      // values per activation group
     int stride = 0;  // groups per row of d and s, padded
+    int n_out = 0;
+    int side_stride = 0;  // n_out padded to a multiple of 8
 
-    Acts(const void* x, int bf16, int M, int K_) : K(K_) {
-        const int groups = K / G;
+    int offset = 0;  // 64: codes are 7-bit, stored as code + 64 (unsigned; see int8_block)
+
+    Acts(const void* x, int bf16, int M, int K_, int ag_, int offset_ = 0, const int32_t* out_idx = nullptr,
+         int n_out_ = 0)
+        : K(K_), ag(ag_), n_out(n_out_), offset(offset_) {
+        const int groups = (K + ag - 1) / ag;
         stride = (groups + 7) / 8 * 8;
         q = static_cast<int8_t*>(aligned_alloc(64, (static_cast<size_t>(M) * K + 63) / 64 * 64));
         const size_t fbytes = (static_cast<size_t>(M) * stride * 4 + 63) / 64 * 64;
@@ -81,44 +97,72 @@ struct Acts {
         s = static_cast<float*>(aligned_alloc(64, fbytes));
         memset(d, 0, fbytes);
         memset(s, 0, fbytes);
+        side_stride = (n_out + 7) / 8 * 8;
+        if (n_out) {
+            const size_t bytes = (static_cast<size_t>(M) * side_stride * 4 + 63) / 64 * 64;
+            side = static_cast<float*>(aligned_alloc(64, bytes));
+            memset(side, 0, bytes);
+        }
         const size_t elem = bf16 ? 2 : 4;
-#pragma omp parallel for schedule(static) if (M > 1)
-        for (int m = 0; m < M; ++m)
-            quantize_row(static_cast<const char*>(x) + m * K * elem, bf16, q + static_cast<size_t>(m) * K,
-                         d + static_cast<size_t>(m) * stride, s + static_cast<size_t>(m) * stride);
+#pragma omp parallel if (M > 1)
+        {
+            std::vector<float> row(n_out ? K : 0);
+#pragma omp for schedule(static)
+            for (int m = 0; m < M; ++m) {
+                const void* src = static_cast<const char*>(x) + m * K * elem;
+                int src_bf16 = bf16;
+                if (n_out) {  // a float copy with the outlier channels moved to `side`
+                    for (int i = 0; i < K; i += 8) _mm256_storeu_ps(&row[i], load8(src, bf16, i));
+                    for (int j = 0; j < n_out; ++j) {
+                        side[static_cast<size_t>(m) * side_stride + j] = row[out_idx[j]];
+                        row[out_idx[j]] = 0.0f;
+                    }
+                    src = row.data();
+                    src_bf16 = 0;
+                }
+                quantize_row(src, src_bf16, q + static_cast<size_t>(m) * K, d + static_cast<size_t>(m) * stride,
+                             s + static_cast<size_t>(m) * stride);
+            }
+        }
     }
     ~Acts() {
         free(q);
         free(d);
         free(s);
+        free(side);
     }
     Acts(const Acts&) = delete;
     Acts& operator=(const Acts&) = delete;
 
     void quantize_row(const void* x, int bf16, int8_t* qr, float* dr, float* sr) const {
         const __m256 sign = _mm256_set1_ps(-0.0f);
-        for (int g = 0; g < K / G; ++g) {
-            __m256 v[4];
+        for (int k0 = 0, g = 0; k0 < K; k0 += ag, ++g) {
+            const int len = K - k0 < ag ? K - k0 : ag;
             __m256 amax = _mm256_setzero_ps();
-            for (int j = 0; j < 4; ++j) {
-                v[j] = load8(x, bf16, static_cast<size_t>(g) * G + 8 * j);
-                amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
-            }
+            for (int i = 0; i < len; i += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, load8(x, bf16, k0 + i)));
             __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
             m = _mm_max_ps(m, _mm_movehl_ps(m, m));
             m = _mm_max_ss(m, _mm_movehdup_ps(m));
             const float mx = _mm_cvtss_f32(m);
-            dr[g] = mx / 127.0f;
-            const __m256 inv = _mm256_set1_ps(mx > 0.0f ? 127.0f / mx : 0.0f);
-            const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v[0], inv));  // rounds half to even
-            const __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v[1], inv));
-            const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v[2], inv));
-            const __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v[3], inv));
-            const __m256i isum = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+            const float top = offset ? 63.0f : 127.0f;
+            dr[g] = mx / top;
+            const __m256 inv = _mm256_set1_ps(mx > 0.0f ? top / mx : 0.0f);
+            const __m256i shift = _mm256_set1_epi32(offset);
+            __m256i isum = _mm256_setzero_si256();
+            for (int i = 0; i < len; i += G) {
+                const size_t at = static_cast<size_t>(k0) + i;
+                const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(load8(x, bf16, at), inv));  // half to even
+                const __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(load8(x, bf16, at + 8), inv));
+                const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(load8(x, bf16, at + 16), inv));
+                const __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(load8(x, bf16, at + 24), inv));
+                isum = _mm256_add_epi32(isum, _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3)));
+                __m256i p = _mm256_packs_epi16(
+                    _mm256_packs_epi32(_mm256_add_epi32(i0, shift), _mm256_add_epi32(i1, shift)),
+                    _mm256_packs_epi32(_mm256_add_epi32(i2, shift), _mm256_add_epi32(i3, shift)));
+                p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));  // undo lane interleave
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(qr + at), p);
+            }
             sr[g] = dr[g] * hsum(_mm256_cvtepi32_ps(isum));
-            __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
-            p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));  // undo lane interleave
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(qr + static_cast<size_t>(g) * G), p);
         }
     }
 };
@@ -179,46 +223,91 @@ void int4_block(const uint8_t* blk, int groups, const Acts& a, int m, float out[
     for (int r = 0; r < ROWS; ++r) out[r] = hsum(acc[r]);
 }
 
-// One block of 4 int8 rows against one activation row (before the rows' scales).
-void int8_block(const int8_t* blk, int groups, const Acts& a, int m, float out[ROWS]) {
-    const int8_t* xq = a.q + static_cast<size_t>(m) * a.K;
-    const float* xd = a.d + static_cast<size_t>(m) * a.stride;
-    __m256 acc[ROWS];
-    for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
-    for (int g = 0; g < groups; ++g) {
-        _mm_prefetch(reinterpret_cast<const char*>(blk) + SB_PREFETCH, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(blk) + SB_PREFETCH + 64, _MM_HINT_T0);
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + static_cast<size_t>(g) * G));
-        const __m256 d = _mm256_broadcast_ss(xd + g);
-        for (int r = 0; r < ROWS; ++r) {
-            const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + r * G));
-            // |w| as unsigned times x with w's sign: vpmaddubsw wants one unsigned operand
-            const __m256i p = sum_pairs(_mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(x, wv)));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, acc[r]);
-        }
-        blk += ROWS * G;
+// One block of 4 int8 rows against MB activation rows (before the rows' scales).
+// vpmaddubsw multiplies unsigned by signed bytes and adds pairs into int16. With 8-bit codes on both
+// sides that needs |w| and x with w's sign (two more ops per product: 20% slower at 16 rows than
+// fbgemm); unsigned 8-bit activations would overflow int16 (255·127·2, fbgemm's saturation without
+// VNNI). So activations are 7-bit per group of 256, stored as code + 64 in 1..127 (127·127·2 fits),
+// and the offset is taken back per group: Σ w·(c + 64) − 64·Σw, with Σw per row and group precomputed
+// (`offset_w` = 64·Σw). 7-bit activations cost SmolLM2 +0.8% perplexity against +0.5% for 8-bit.
+// Within a group the dot products accumulate in int32 (|sum| < 2^22), then take one float step; each
+// weight load serves MB activation rows.
+template <int MB>
+void int8_block(const int8_t* blk, const float* outlier_w, const float* offset_w, const Acts& a, int m0,
+                float out[MT][ROWS]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[ROWS][MB];
+    for (int r = 0; r < ROWS; ++r)
+        for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
+    const int8_t* xq[MB];
+    const float* xd[MB];
+    for (int m = 0; m < MB; ++m) {
+        xq[m] = a.q + static_cast<size_t>(m0 + m) * a.K;
+        xd[m] = a.d + static_cast<size_t>(m0 + m) * a.stride;
     }
-    for (int r = 0; r < ROWS; ++r) out[r] = hsum(acc[r]);
+    for (int k0 = 0, ag = 0; k0 < a.K; k0 += a.ag, ++ag) {
+        const int end = a.K - k0 < a.ag ? a.K : k0 + a.ag;
+        __m256i dot[ROWS][MB];
+        for (int r = 0; r < ROWS; ++r)
+            for (int m = 0; m < MB; ++m) dot[r][m] = _mm256_setzero_si256();
+        for (int k = k0; k < end; k += G) {
+            const int8_t* wg = blk + static_cast<size_t>(k) * ROWS;  // this group's 4 rows × 32 codes
+            _mm_prefetch(reinterpret_cast<const char*>(wg) + SB_PREFETCH, _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(wg) + SB_PREFETCH + 64, _MM_HINT_T0);
+            __m256i x[MB];
+            for (int m = 0; m < MB; ++m) x[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[m] + k));
+            for (int r = 0; r < ROWS; ++r) {
+                const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + r * G));
+                for (int m = 0; m < MB; ++m)
+                    dot[r][m] = _mm256_add_epi32(dot[r][m], _mm256_madd_epi16(_mm256_maddubs_epi16(x[m], wv), ones));
+            }
+        }
+        for (int m = 0; m < MB; ++m) {
+            const __m256 dm = _mm256_broadcast_ss(xd[m] + ag);
+            for (int r = 0; r < ROWS; ++r) acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][m]), dm, acc[r][m]);
+        }
+    }
+    // The activation offset: −64·Σw of each group times the group's scale (padded groups are zero).
+    for (int j = 0; j < a.stride; j += 8)
+        for (int m = 0; m < MB; ++m) {
+            const __m256 dv = _mm256_load_ps(xd[m] + j);
+            for (int r = 0; r < ROWS; ++r)
+                acc[r][m] = _mm256_fnmadd_ps(
+                    dv, _mm256_loadu_ps(offset_w + static_cast<size_t>(r) * a.stride + j), acc[r][m]);
+        }
+    // The outlier channels, in fp32 against their weight columns (both padded with zeros to 8s),
+    // into the same accumulators.
+    for (int j = 0; j < a.side_stride; j += 8)
+        for (int m = 0; m < MB; ++m) {
+            const __m256 sd = _mm256_loadu_ps(a.side + static_cast<size_t>(m0 + m) * a.side_stride + j);
+            for (int r = 0; r < ROWS; ++r)
+                acc[r][m] = _mm256_fmadd_ps(
+                    sd, _mm256_loadu_ps(outlier_w + static_cast<size_t>(r) * a.side_stride + j), acc[r][m]);
+        }
+    for (int r = 0; r < ROWS; ++r)
+        for (int m = 0; m < MB; ++m) out[m][r] = hsum(acc[r][m]);
 }
 
 // Blocks of rows split statically over the threads: each thread reads one contiguous part of the weight.
+// `block(b, m0, mb, res)` computes rows m0 .. m0+mb-1 (mb ≤ MT) of one 4-row block.
 template <typename Block>
-void gemm(int M, int N, size_t block_bytes, const float* row_scale, const float* bias, void* out, int out_bf16,
-          Block block) {
+void gemm(int M, int N, const float* row_scale, const float* bias, void* out, int out_bf16, Block block) {
     const int blocks = (N + ROWS - 1) / ROWS;
 #pragma omp parallel for schedule(static)
     for (int b = 0; b < blocks; ++b) {
         const int n0 = b * ROWS;
         const int nr = N - n0 < ROWS ? N - n0 : ROWS;
-        for (int m = 0; m < M; ++m) {  // the block (at most a few KB per row) stays in L1/L2 across m
-            float res[ROWS];
-            block(static_cast<size_t>(b) * block_bytes, m, res);
-            for (int r = 0; r < nr; ++r) {
-                float v = res[r];
-                if (row_scale) v *= row_scale[n0 + r];
-                if (bias) v += bias[n0 + r];
-                store(out, out_bf16, static_cast<size_t>(m) * N + n0 + r, v);
-            }
+        for (int m0 = 0; m0 < M; m0 += MT) {  // the block (a few KB) stays in L1/L2 across m
+            const int mb = M - m0 < MT ? M - m0 : MT;
+            float res[MT][ROWS];
+            block(b, m0, mb, res);
+            for (int m = 0; m < mb; ++m)
+                for (int r = 0; r < nr; ++r) {
+                    float v = res[m][r];
+                    if (row_scale) v *= row_scale[n0 + r];
+                    if (bias) v += bias[n0 + r];
+                    store(out, out_bf16, static_cast<size_t>(m0 + m) * N + n0 + r, v);
+                }
         }
     }
 }
@@ -227,32 +316,54 @@ void gemm(int M, int N, size_t block_bytes, const float* row_scale, const float*
 
 extern "C" {
 
-int sb_version() { return 2; }
+int sb_version() { return 4; }
 
 size_t sb_int4_bytes(int N, int K) { return static_cast<size_t>((N + ROWS - 1) / ROWS) * int4_block_bytes(K / G); }
 
 // out (M, N) = x (M, K) · wᵀ for an int4 weight in the layout above.
 void sb_int4_linear(const void* x, int x_bf16, int M, int K, int N, const uint8_t* w, const float* bias, void* out,
                     int out_bf16) {
-    const Acts a(x, x_bf16, M, K);
+    const Acts a(x, x_bf16, M, K, G);
     const int groups = K / G;
-    gemm(M, N, int4_block_bytes(groups), nullptr, bias, out, out_bf16,
-         [&](size_t off, int m, float res[ROWS]) { int4_block(w + off, groups, a, m, res); });
+    const size_t bytes = int4_block_bytes(groups);
+    gemm(M, N, nullptr, bias, out, out_bf16, [&](int b, int m0, int mb, float res[MT][ROWS]) {
+        for (int m = 0; m < mb; ++m) int4_block(w + b * bytes, groups, a, m0 + m, res[m]);
+    });
 }
 
-// out (M, N) = x (M, K) · (w · scale)ᵀ for an int8 weight in the layout above (scales padded to 4 rows).
+// out (M, N) = x (M, K) · (w · scale)ᵀ for an int8 weight in the layout above (scales padded to 4 rows),
+// activations quantized to 7 bits per `act_group` values (a multiple of 32, at most 256); `offset_w`
+// (N padded to 4 rows × groups padded to 8) holds 64 × each row's sum of codes per group. With `n_out` outlier
+// channels `out_idx`, those inputs skip the int8 product and meet `outlier_w` (N padded to 4 rows,
+// n_out fp32 each padded with zeros to a multiple of 8, already divided by the row's scale) in fp32.
 void sb_int8_linear(const void* x, int x_bf16, int M, int K, int N, const int8_t* w, const float* scales,
-                    const float* bias, void* out, int out_bf16) {
-    const Acts a(x, x_bf16, M, K);
-    const int groups = K / G;
-    gemm(M, N, static_cast<size_t>(ROWS) * K, scales, bias, out, out_bf16,
-         [&](size_t off, int m, float res[ROWS]) { int8_block(w + off, groups, a, m, res); });
+                    const float* offset_w, int act_group, const int32_t* out_idx, int n_out,
+                    const float* outlier_w, const float* bias, void* out, int out_bf16) {
+    const Acts a(x, x_bf16, M, K, act_group, 64, out_idx, n_out);
+    const size_t bytes = static_cast<size_t>(ROWS) * K;
+    gemm(M, N, scales, bias, out, out_bf16, [&](int b, int m0, int mb, float res[MT][ROWS]) {
+        const float* ow = n_out ? outlier_w + static_cast<size_t>(b) * ROWS * a.side_stride : nullptr;
+        const float* off = offset_w + static_cast<size_t>(b) * ROWS * a.stride;
+        int m = 0;
+        for (; m + 2 <= mb; m += 2) {
+            float two[MT][ROWS];
+            int8_block<2>(w + b * bytes, ow, off, a, m0 + m, two);
+            for (int i = 0; i < 2; ++i)
+                for (int r = 0; r < ROWS; ++r) res[m + i][r] = two[i][r];
+        }
+        if (m < mb) {
+            float one[MT][ROWS];
+            int8_block<1>(w + b * bytes, ow, off, a, m0 + m, one);
+            for (int r = 0; r < ROWS; ++r) res[m][r] = one[0][r];
+        }
+    });
 }
 
-// The activation quantization alone, for tests: q (M, K) int8, d and s (M, K/32) fp32.
-void sb_quantize_acts(const void* x, int x_bf16, int M, int K, int8_t* q, float* d, float* s) {
-    const Acts a(x, x_bf16, M, K);
-    const int groups = K / G;
+// The activation quantization alone, for tests: q (M, K) int8, d and s (M, ceil(K/act_group)) fp32.
+void sb_quantize_acts(const void* x, int x_bf16, int M, int K, int act_group, int offset, int8_t* q, float* d,
+                      float* s) {
+    const Acts a(x, x_bf16, M, K, act_group, offset);
+    const int groups = (K + act_group - 1) / act_group;
     memcpy(q, a.q, static_cast<size_t>(M) * K);
     for (int m = 0; m < M; ++m) {
         memcpy(d + static_cast<size_t>(m) * groups, a.d + static_cast<size_t>(m) * a.stride, groups * 4);
