@@ -28,8 +28,8 @@ class ModelRunner:
         cfg = model.config
         native = cpu_attention.supports(cache, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         self.backend = cpu_attention.NativePagedAttention(cache) if native else TorchPagedAttention(cache)
-        # Float models pad a lone token to two rows (below); quantized kernels make no bit-exact
-        # promise across row counts, so padding would only double their work (~20% of a step).
+        # Float models pad a lone token to two rows (below). Our quantized kernels compute every row
+        # alone whatever the row count, so padding would only double their work (~20% of a step).
         self.pad_lone = model.weights_format == "bf16"
 
     @torch.inference_mode()

@@ -85,7 +85,7 @@ def token_nll(
                 n = min(chunk, len(ids) - 1 - done)
                 tables, computed, new = [table.block_ids], [done], [n]
                 inputs, positions = ids[done : done + n], list(range(done, done + n))
-                if n == 1:  # one row takes another matmul kernel: run it twice, like the model runner
+                if n == 1 and engine.runner.pad_lone:  # a lone bf16 row runs twice, like the model runner
                     tables, computed, new, inputs, positions = (
                         tables * 2,
                         computed * 2,
