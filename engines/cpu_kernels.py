@@ -2,10 +2,11 @@
 (`quant_gemm.cpp`, wrapped here) and fused decoder ops (`cpu_ops.cpp`, wrapped in `engines.cpu_ops`),
 built on first use with the system's C++ compiler and loaded with ctypes.
 
-Why our own: torch's int4 kernel dequantizes to float and is compute-bound (~35 G weights/s on two
-cores), and its weight-only int8 kernel streams ~18 GB/s; decode wants the memory's ~40 GB/s. These
-kernels quantize each token's activations to int8 in groups of 32 (llama.cpp's Q8_0) and multiply
-codes directly, as llama.cpp does.
+Why our own: torch's int4 kernel dequantizes to float and is compute-bound (14 G weights/s on two AVX2
+cores, 35 on AVX-512), its weight-only int8 kernel streams ~18 GB/s, and fbgemm's int8 GEMM saturates
+without VNNI; decode wants the memory's 32-40 GB/s. These kernels quantize each token's activations
+on the fly (8 bits per 32 inputs against int4 weights, as llama.cpp's Q8_0; 7 bits per 256 against
+int8 weights, see quant_gemm.cpp) and multiply codes directly, as llama.cpp does.
 
 The library links the same OpenMP runtime torch loaded (same soname), so it shares torch's threads and
 honours OMP_NUM_THREADS. Built once per source, flags and compiler into `$SWITCHBOARD_HOME/kernels`.
@@ -35,7 +36,6 @@ SOURCES = [Path(__file__).parent / "csrc" / name for name in ("quant_gemm.cpp", 
 # -ffp-contract=off: no fused multiply-adds but the ones written out, so elementwise ops round as torch's do.
 FLAGS = [
     "-ffp-contract=off",
-    *os.environ.get("SB_EXTRA", "").split(),
     "-O3",
     "-std=c++17",
     "-mavx2",

@@ -210,6 +210,23 @@ def test_engine_serves_every_weight_and_kv_combination(tiny_dir: Path, weights: 
         assert sum(first) >= 4
 
 
+@pytest.mark.parametrize("weights", ["bf16", "int8", "int4"])
+def test_engine_without_our_kernels_runs_torchs(tiny_dir: Path, weights: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No compiler or no AVX2: every layer falls back to torch's kernels and attention backend, and
+    the engine still serves, batch-independently, mostly the same tokens."""
+    prompts = [list(range(1 + i, 20 + 3 * i)) for i in range(6)]
+    config = EngineConfig(kv_cache_bytes=1 << 22)
+    ours = generate(Engine.from_dir(tiny_dir, weights=weights, config=config), prompts)
+    monkeypatch.setattr("engines.linear.cpu_kernels.available", lambda: False)
+    monkeypatch.setattr("engines.cpu_ops.library", lambda: None)
+    engine = Engine.from_dir(tiny_dir, weights=weights, config=config)
+    assert type(engine.runner.backend).__name__ == "TorchPagedAttention"
+    assert all(m.kernel is None or m.kernel.native is None for m in engine.model.modules() if isinstance(m, Linear))
+    theirs = generate(engine, prompts)
+    assert theirs == [generate(engine, [p])[0] for p in prompts]
+    assert sum(a[0] == b[0] for a, b in zip(ours, theirs, strict=True)) >= 4
+
+
 @pytest.mark.slow
 def test_gguf_q4_model_keeps_its_blocks_and_greedy_text(smollm2_dir: Path) -> None:
     """SmolLM2's GGUF is Q4_1: loaded straight from its blocks vs dequantized to bf16 and quantized to

@@ -1,5 +1,6 @@
 // int4 and int8 weight GEMMs for x86 CPUs with AVX2: weights stay packed, activations are quantized
-// to int8 in groups of 32 on the fly (as llama.cpp's Q8_0), and dot products run on vpmaddubsw.
+// on the fly (8 bits per 32 inputs for int4 weights, as llama.cpp's Q8_0; 7 bits per 256 for int8
+// weights, see int8_block), and dot products run on vpmaddubsw.
 //
 // Why: decode reads every weight once per step; torch's int4 kernel dequantizes to float and is
 // compute-bound (~14 G weights/s on 2 AVX2 cores), while an integer dot product keeps pace with memory.
@@ -10,7 +11,8 @@
 //   int4: a block is a run of chunks of up to 8 groups of 32 inputs; per chunk, for each of the 4 rows:
 //         8 fp16 scales, 8 fp16 mins (zero past the last group), then one 32-byte pair per two groups:
 //         byte i = code[i] of the first group | code[i] of the second << 4. w = code · scale + min.
-//   int8: a block is, per group of 32 inputs, the 4 rows' 32 codes each; one fp32 scale per row.
+//   int8: a block is, per group of 32 inputs, the 4 rows' 32 codes each; one fp32 scale per row, and
+//         per row 64 × its codes' sum over each activation group (the activations' offset, below).
 // Activations: bf16 or fp32 rows (M, K), K a multiple of 32; out (M, N) bf16 or fp32; optional fp32
 // bias. Each output row is computed the same way whatever M is, so results do not depend on the batch.
 #include <immintrin.h>
@@ -26,7 +28,7 @@
 
 namespace {
 
-constexpr int G = 32;    // values per quantization group (weights and activations)
+constexpr int G = 32;    // values per weight group, and per activation group against int4 weights
 constexpr int ROWS = 4;  // output rows per block: the activations are loaded once for all four
 constexpr int MT = 4;    // activation rows per block call
 
