@@ -199,17 +199,17 @@ class Int8Weights:
         sums = torch.nn.functional.pad(qw.q.float(), (0, groups * act_group - k)).view(n, groups, act_group).sum(-1)
         self.offset_w = _pad_rows(torch.nn.functional.pad(64 * sums, (0, -groups % 8)), rows).contiguous()
         self.outliers = None if qw.outliers is None else qw.outliers.to(torch.int32).contiguous()
-        # Codes of the outlier columns as floats: the kernel multiplies every row by its scale last.
+        # The outlier columns' codes (the kernel multiplies every row by its scale last).
         self.outlier_w = None
         if qw.outliers is not None:
-            columns = qw.q[:, qw.outliers].float()
+            columns = qw.q[:, qw.outliers]
             columns = torch.nn.functional.pad(columns, (0, -columns.shape[1] % 8))  # the kernel reads 8 at a time
             self.outlier_w = _pad_rows(columns, rows).contiguous()
         self.shape = (n, k)
 
     @property
     def nbytes(self) -> int:
-        extra = 0 if self.outlier_w is None else 4 * self.outlier_w.numel()
+        extra = 0 if self.outlier_w is None else self.outlier_w.numel()
         return self.packed.numel() + 4 * (self.scales.numel() + self.offset_w.numel()) + extra
 
 

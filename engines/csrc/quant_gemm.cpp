@@ -235,7 +235,7 @@ void int4_block(const uint8_t* blk, int groups, const Acts& a, int m, float out[
 // Within a group the dot products accumulate in int32 (|sum| < 2^22), then take one float step; each
 // weight load serves MB activation rows.
 template <int MB>
-void int8_block(const int8_t* blk, const float* outlier_w, const float* offset_w, const Acts& a, int m0,
+void int8_block(const int8_t* blk, const int8_t* outlier_w, const float* offset_w, const Acts& a, int m0,
                 float out[MT][ROWS]) {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[ROWS][MB];
@@ -277,14 +277,16 @@ void int8_block(const int8_t* blk, const float* outlier_w, const float* offset_w
                 acc[r][m] = _mm256_fnmadd_ps(
                     dv, _mm256_loadu_ps(offset_w + static_cast<size_t>(r) * a.stride + j), acc[r][m]);
         }
-    // The outlier channels, in fp32 against their weight columns (both padded with zeros to 8s),
-    // into the same accumulators.
+    // The outlier channels, in fp32 against their weight columns' codes (both padded with zeros to
+    // 8s), into the same accumulators.
     for (int j = 0; j < a.side_stride; j += 8)
         for (int m = 0; m < MB; ++m) {
             const __m256 sd = _mm256_loadu_ps(a.side + static_cast<size_t>(m0 + m) * a.side_stride + j);
-            for (int r = 0; r < ROWS; ++r)
-                acc[r][m] = _mm256_fmadd_ps(
-                    sd, _mm256_loadu_ps(outlier_w + static_cast<size_t>(r) * a.side_stride + j), acc[r][m]);
+            for (int r = 0; r < ROWS; ++r) {
+                const __m128i codes =
+                    _mm_loadl_epi64(reinterpret_cast<const __m128i*>(outlier_w + static_cast<size_t>(r) * a.side_stride + j));
+                acc[r][m] = _mm256_fmadd_ps(sd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)), acc[r][m]);
+            }
         }
     for (int r = 0; r < ROWS; ++r)
         for (int m = 0; m < MB; ++m) out[m][r] = hsum(acc[r][m]);
@@ -336,15 +338,15 @@ void sb_int4_linear(const void* x, int x_bf16, int M, int K, int N, const uint8_
 // out (M, N) = x (M, K) · (w · scale)ᵀ for an int8 weight in the layout above (scales padded to 4 rows),
 // activations quantized to 7 bits per `act_group` values (a multiple of 32, at most 256); `offset_w`
 // (N padded to 4 rows × groups padded to 8) holds 64 × each row's sum of codes per group. With `n_out` outlier
-// channels `out_idx`, those inputs skip the int8 product and meet `outlier_w` (N padded to 4 rows,
-// n_out fp32 each padded with zeros to a multiple of 8, already divided by the row's scale) in fp32.
+// channels `out_idx`, those inputs skip the int8 product and meet their weight columns in fp32:
+// `outlier_w`, the columns' int8 codes (N padded to 4 rows, n_out padded with zeros to 8s).
 void sb_int8_linear(const void* x, int x_bf16, int M, int K, int N, const int8_t* w, const float* scales,
                     const float* offset_w, int act_group, const int32_t* out_idx, int n_out,
-                    const float* outlier_w, const float* bias, void* out, int out_bf16) {
+                    const int8_t* outlier_w, const float* bias, void* out, int out_bf16) {
     const Acts a(x, x_bf16, M, K, act_group, 64, out_idx, n_out);
     const size_t bytes = static_cast<size_t>(ROWS) * K;
     gemm(M, N, scales, bias, out, out_bf16, [&](int b, int m0, int mb, float res[MT][ROWS]) {
-        const float* ow = n_out ? outlier_w + static_cast<size_t>(b) * ROWS * a.side_stride : nullptr;
+        const int8_t* ow = n_out ? outlier_w + static_cast<size_t>(b) * ROWS * a.side_stride : nullptr;
         const float* off = offset_w + static_cast<size_t>(b) * ROWS * a.stride;
         int m = 0;
         for (; m + 2 <= mb; m += 2) {
