@@ -3,8 +3,8 @@
     OMP_NUM_THREADS=2 .venv/bin/python bench/quant.py [--models smollm2-135m-instruct qwen2.5-coder-1.5b-instruct]
 
 For each model, in one process with the same threads:
-  decode tok/s of our engine at batch 1 and 16 for bf16, int8 (calibrated, int8×int8 from 16 rows) and
-  int4 (the GGUF's own 4-bit blocks), and of llama.cpp on the GGUF file at 1 and 16 parallel sequences
+  decode tok/s of our engine at batch 1 and 16 for bf16, int8 (calibrated) and int4 (the GGUF's own
+  4-bit blocks), on our CPU kernels where they build (see the README), and of llama.cpp on the GGUF file at 1 and 16 parallel sequences
   (one context, a `llama_batch` with 16 sequence ids: bench/llamacpp_batched.py). Decode only: every
   sequence's prompt is prefilled first, then N sequences × (tokens - 1) greedy steps are timed, EOS
   ignored; the median of --repeats runs.
