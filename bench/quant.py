@@ -4,10 +4,10 @@
 
 For each model, in one process with the same threads:
   decode tok/s of our engine at batch 1 and 16 for bf16, int8 (calibrated) and int4 (the GGUF's own
-  4-bit blocks), on our CPU kernels where they build (see the README), and of llama.cpp on the GGUF file at 1 and 16 parallel sequences
-  (one context, a `llama_batch` with 16 sequence ids: bench/llamacpp_batched.py). Decode only: every
-  sequence's prompt is prefilled first, then N sequences × (tokens - 1) greedy steps are timed, EOS
-  ignored; the median of --repeats runs.
+  4-bit blocks), on our CPU kernels where they build (see the README), and of llama.cpp on the GGUF
+  file at 1 and 16 parallel sequences (one context, a `llama_batch` with 16 sequence ids:
+  bench/llamacpp_batched.py). Decode only: every sequence's prompt is prefilled first, then
+  N sequences × (tokens - 1) greedy steps are timed, EOS ignored; the median of --repeats runs.
   perplexity on held-out text (`engines.quality`, 4,096 tokens) and accuracy on the first --gsm8k
   GSM8K problems for bf16, int8, int4 and bf16 weights with the int8 KV cache; KV bytes per token.
 The last line is one JSON object; the headline ratios are for the last model (Qwen 1.5B by default).

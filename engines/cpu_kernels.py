@@ -213,37 +213,38 @@ class Int8Weights:
         return self.packed.numel() + 4 * (self.scales.numel() + self.offset_w.numel()) + extra
 
 
-def int4_linear(
-    x: torch.Tensor, w: Int4Weights, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
-) -> torch.Tensor:
+def _gemm_operands(
+    x: torch.Tensor, shape: tuple[int, int], bias: torch.Tensor | None, out_dtype: torch.dtype | None
+) -> tuple[ctypes.CDLL, torch.Tensor, int, torch.Tensor, torch.Tensor | None]:
+    """(library, contiguous activations, whether bf16, the output (M, N), fp32 bias) for a GEMM call."""
     lib = library()
     assert lib is not None, "native kernels are not available"
-    n, k = w.shape
+    n, k = shape
     xc, bf16 = _rows(x)
     out = torch.empty(xc.shape[0], n, dtype=out_dtype or x.dtype)
     assert out.dtype in (torch.bfloat16, torch.float32) and xc.shape[1] == k
-    b = None if bias is None else bias.float().contiguous()
+    return lib, xc, bf16, out, None if bias is None else bias.float().contiguous()
+
+
+def int4_linear(
+    x: torch.Tensor, w: Int4Weights, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    lib, xc, bf16, out, b = _gemm_operands(x, w.shape, bias, out_dtype)
+    (m, k), n = xc.shape, w.shape[0]
     lib.sb_int4_linear(
-        xc.data_ptr(), bf16, xc.shape[0], k, n, w.packed.data_ptr(), _ptr(b), out.data_ptr(),
-        int(out.dtype == torch.bfloat16),
-    )  # fmt: skip
+        xc.data_ptr(), bf16, m, k, n, w.packed.data_ptr(), _ptr(b), out.data_ptr(), int(out.dtype == torch.bfloat16)
+    )
     return out
 
 
 def int8_linear(
     x: torch.Tensor, w: Int8Weights, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
 ) -> torch.Tensor:
-    lib = library()
-    assert lib is not None, "native kernels are not available"
-    n, k = w.shape
-    xc, bf16 = _rows(x)
-    out = torch.empty(xc.shape[0], n, dtype=out_dtype or x.dtype)
-    assert out.dtype in (torch.bfloat16, torch.float32) and xc.shape[1] == k
-    b = None if bias is None else bias.float().contiguous()
+    lib, xc, bf16, out, b = _gemm_operands(x, w.shape, bias, out_dtype)
+    (m, k), n = xc.shape, w.shape[0]
     n_out = 0 if w.outliers is None else w.outliers.numel()
     lib.sb_int8_linear(
-        xc.data_ptr(), bf16, xc.shape[0], k, n, w.packed.data_ptr(), w.scales.data_ptr(), w.offset_w.data_ptr(),
-        w.act_group,
+        xc.data_ptr(), bf16, m, k, n, w.packed.data_ptr(), w.scales.data_ptr(), w.offset_w.data_ptr(), w.act_group,
         _ptr(w.outliers), n_out, _ptr(w.outlier_w), _ptr(b), out.data_ptr(), int(out.dtype == torch.bfloat16),
     )  # fmt: skip
     return out
