@@ -178,6 +178,20 @@ class BlockManager:
         table.block_ids.clear()
         table.hashes.clear()
 
+    def truncate(self, table: BlockTable, num_tokens: int) -> None:
+        """Keep only the blocks that hold the first `num_tokens` tokens: a speculative step's
+        rejected positions give their blocks back. Never cuts into a registered (full) block."""
+        keep = -(-num_tokens // self.block_size)
+        if keep < len(table.hashes):
+            raise ValueError("cannot truncate into blocks registered in the prefix cache")
+        for block_id in reversed(table.block_ids[keep:]):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                self._free.move_to_end(block_id, last=False)  # never hashed: nothing worth keeping
+        del table.block_ids[keep:]
+
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:

@@ -11,7 +11,7 @@ import itertools
 import statistics
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -20,11 +20,15 @@ from engines.block_manager import BlockManager, BlockTable
 from engines.detokenizer import IncrementalDetokenizer
 from engines.kv_cache import PagedKVCache, bytes_per_block
 from engines.model_loader import load_model
-from engines.model_runner import ModelRunner
+from engines.model_runner import Chunk, ModelRunner
 from engines.models.llama import LlamaForCausalLM
+from engines.proposers import Draft, DraftProposer, NgramProposer
 from engines.request import EngineRequest, FinishReason, RequestOutput
+from engines.sampling import sample
 from engines.scheduler import Scheduler
 from engines.sequence import Sequence
+from engines.spec_decode import accept
+from engines.speculator import SpeculativeConfig, Speculator
 from engines.tokenizer import Tokenizer
 
 
@@ -45,6 +49,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # default: the model's own context
     kv_cache_dtype: str = "auto"  # "auto": the model dtype; "int8": per-vector scales, ~2x the blocks
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
 
 @dataclass(frozen=True)
@@ -68,15 +73,24 @@ class EngineStats:
     step_tokens_p50: float
     block_size: int
     kv_cache_bytes: int
+    speculative: dict[str, float | int]  # proposed, accepted, acceptance rate, mean accepted length
 
     def as_dict(self) -> dict[str, float | int]:
-        return asdict(self)
+        d = asdict(self)
+        return {**d, **d.pop("speculative")}
 
 
 class Engine:
     def __init__(
-        self, model: LlamaForCausalLM, tokenizer: Tokenizer, config: EngineConfig | None = None, *, name: str = ""
+        self,
+        model: LlamaForCausalLM,
+        tokenizer: Tokenizer,
+        config: EngineConfig | None = None,
+        *,
+        name: str = "",
+        draft_model: LlamaForCausalLM | None = None,
     ) -> None:
+        """`draft_model`: the proposer for `config.speculative.method == "draft"` (same tokenizer)."""
         self.model = model
         self.tokenizer = tokenizer
         self.config = config = config or EngineConfig()
@@ -113,10 +127,25 @@ class Engine:
         self.runner = ModelRunner(model, self.cache)
         # The model is part of every block hash: a shared pool never mixes two models' keys.
         self.salt = name or f"{cfg.architecture}:{cfg.hidden_size}x{cfg.num_hidden_layers}:{self.dtype}"
+        self.speculator = self._speculator(config.speculative, draft_model)
         self._seqs: dict[str, Sequence] = {}
         self._arrival = itertools.count()
         self._steps = self._computed = self._generated = 0
         self._recent: deque[tuple[float, int]] = deque(maxlen=100)  # (step seconds, tokens)
+
+    def _speculator(self, spec: SpeculativeConfig, draft_model: LlamaForCausalLM | None) -> Speculator | None:
+        if spec.method == "off":
+            return None
+        if spec.method == "ngram":
+            return Speculator(spec, NgramProposer(spec.ngram_max, spec.ngram_min))
+        if draft_model is None:
+            raise ValueError('speculative method "draft" needs a draft model')
+        if draft_model.config.vocab_size > self.model.config.vocab_size:
+            raise ValueError("the draft model's vocabulary is larger than the target's")
+        proposer = DraftProposer(
+            draft_model, spec.draft_kv_cache_bytes, self.config.block_size, salt=f"draft|{self.salt}"
+        )
+        return Speculator(spec, proposer)
 
     @classmethod
     def from_dir(
@@ -174,7 +203,7 @@ class Engine:
         seq = self._seqs.pop(request_id, None)
         if seq is None:
             return None
-        self.scheduler.finish(seq)
+        self._finish(seq)
         seq.finish_reason = FinishReason.ABORT
         return seq.output([])
 
@@ -191,26 +220,71 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
+        drafts: dict[int, Draft] = {}
+        if self.speculator is not None:
+            budget = self.config.max_num_batched_tokens - batch.num_tokens
+            drafts = self.speculator.propose(batch, self.block_manager, self.max_model_len, budget)
         if fresh := self.block_manager.first_use:
             self.cache.zero_blocks(fresh)
             fresh.clear()
-        sampled = self.runner.run(batch.seqs, batch.num_new)
+        chunks = []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new, strict=True)):
+            done = seq.num_computed
+            draft = drafts[i].tokens if i in drafts else []
+            ends = done + n == len(seq.token_ids)
+            chunks.append(
+                Chunk(seq.token_ids[done : done + n] + draft, done, seq.block_table.block_ids, ends + len(draft))
+            )
+        forward_started = time.perf_counter()
+        logits = self.runner.forward(chunks)
+        if self.speculator is not None:
+            self.speculator.record_step(sum(len(c.token_ids) for c in chunks), time.perf_counter() - forward_started)
+        plain = [i for i, c in enumerate(chunks) if c.num_logits and i not in drafts]
+        rows = [sum(c.num_logits for c in chunks[:i]) for i in range(len(chunks))]
+        sampled = dict(
+            zip(plain, sample(logits[[rows[i] for i in plain]], [batch.seqs[i].sampling for i in plain]), strict=True)
+        )
         outputs = []
-        for seq, n, token in zip(batch.seqs, batch.num_new, sampled, strict=True):
-            seq.num_computed += n
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new, strict=True)):
+            if i in drafts:
+                draft = drafts[i]
+                tokens = accept(
+                    logits[rows[i] : rows[i] + len(draft.tokens) + 1], draft.tokens, draft.probs, seq.sampling
+                )
+            elif i in sampled:
+                tokens = [sampled[i]]
+            else:
+                seq.num_computed += n  # a prefill chunk that has not reached the end of its prompt yet
+                self.block_manager.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed)
+                continue
+            appended = []
+            for token in tokens:
+                seq.append(token, self.max_model_len)
+                appended.append(token)
+                if seq.finish_reason is not None:
+                    break
+            # Every token but the newest now has its KV: after a verification, the last token and the
+            # kept drafts; the rejected drafts' positions roll back and their blocks go back.
+            seq.num_computed = len(seq.token_ids) - 1
+            if i in drafts:
+                self.block_manager.truncate(seq.block_table, seq.num_computed)
             self.block_manager.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed)
-            if token is None:
-                continue  # a prefill chunk that has not reached the end of its prompt yet
-            seq.append(token, self.max_model_len)
-            outputs.append(seq.output([token]))
+            if i in drafts and self.speculator is not None:
+                self.speculator.verified(seq, len(drafts[i].tokens), len(tokens) - 1, len(appended))
+            outputs.append(seq.output(appended))
             if seq.finish_reason is not None:
                 del self._seqs[seq.request_id]
-                self.scheduler.finish(seq)
+                self._finish(seq)
         self._steps += 1
-        self._computed += batch.num_tokens
-        self._generated += len(outputs)
+        self._computed += sum(len(c.token_ids) for c in chunks)
+        self._generated += sum(len(o.new_token_ids) for o in outputs)
         self._recent.append((time.perf_counter() - started, batch.num_tokens))
         return outputs
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        if self.speculator is not None:
+            self.speculator.release(seq)
 
     def stats(self) -> EngineStats:
         kv = self.block_manager.stats()
@@ -235,4 +309,5 @@ class Engine:
             step_tokens_p50=statistics.median(n for _, n in recent) if recent else 0.0,
             block_size=self.config.block_size,
             kv_cache_bytes=self.cache.nbytes,
+            speculative=self.speculator.stats.as_dict() if self.speculator else {},
         )

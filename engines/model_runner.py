@@ -2,7 +2,8 @@
 
 Sequences are laid out flat, one-token queries first (decodes), then multi-token chunks, so one set
 of matmuls serves every sequence: the weights are read once per step however many sequences ride.
-Only the rows that end a sequence's target are turned into logits.
+Only the rows whose logits are needed (the end of a sequence's target, or every verified position
+of a speculative step) go through the output head.
 
 A step with a single token runs it twice: bf16 matmuls take another kernel for one row than for two or
 more, whose rows are bit-identical for any row count, so padding keeps a lone request's greedy answer
@@ -10,6 +11,8 @@ the same as when it shares steps with others (see `engines.attention` for the at
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -19,6 +22,17 @@ from engines.kv_cache import PagedKVCache
 from engines.models.llama import LlamaForCausalLM
 from engines.sampling import sample
 from engines.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Tokens of one sequence to compute: `token_ids` at positions num_computed..; the last
+    `num_logits` of them get logits. `block_ids` must cover every position."""
+
+    token_ids: list[int]
+    num_computed: int
+    block_ids: list[int]
+    num_logits: int = 1
 
 
 class ModelRunner:
@@ -36,41 +50,48 @@ class ModelRunner:
     def run(self, seqs: list[Sequence], num_new: list[int]) -> list[int | None]:
         """Compute `num_new[i]` tokens of `seqs[i]`; returns the sampled next token of each sequence
         whose target is now fully computed, None for the others (chunks of a longer prefill)."""
+        chunks = []
+        for seq, n in zip(seqs, num_new, strict=True):
+            done = seq.num_computed
+            ends = done + n == len(seq.token_ids)
+            chunks.append(Chunk(seq.token_ids[done : done + n], done, seq.block_table.block_ids, int(ends)))
+        logits = self.forward(chunks)
+        ending = [i for i, c in enumerate(chunks) if c.num_logits]
+        result: list[int | None] = [None] * len(seqs)
+        if ending:
+            tokens = sample(logits, [seqs[i].sampling for i in ending])
+            for i, token in zip(ending, tokens, strict=True):
+                result[i] = token
+        return result
+
+    @torch.inference_mode()
+    def forward(self, chunks: list[Chunk]) -> torch.Tensor:
+        """One forward over every chunk; float32 logits (Σ num_logits, vocab), in chunk order."""
         # Decodes first, shortest context first, so attention pads each group of them the least.
         order = sorted(
-            range(len(seqs)), key=lambda i: (num_new[i] != 1, seqs[i].num_computed if num_new[i] == 1 else 0)
+            range(len(chunks)),
+            key=lambda i: (
+                len(chunks[i].token_ids) != 1,
+                chunks[i].num_computed if len(chunks[i].token_ids) == 1 else 0,
+            ),
         )
         input_ids: list[int] = []
         positions: list[int] = []
-        sample_rows: list[int] = []
-        sample_seqs: list[int] = []
+        rows_of: dict[int, list[int]] = {}
         for i in order:
-            seq, n = seqs[i], num_new[i]
-            done = seq.num_computed
-            input_ids.extend(seq.token_ids[done : done + n])
-            positions.extend(range(done, done + n))
-            if done + n == len(seq.token_ids):
-                sample_rows.append(len(input_ids) - 1)
-                sample_seqs.append(i)
-        tables = [seqs[i].block_table.block_ids for i in order]
-        computed = [seqs[i].num_computed for i in order]
-        new = [num_new[i] for i in order]
+            c = chunks[i]
+            input_ids.extend(c.token_ids)
+            positions.extend(range(c.num_computed, c.num_computed + len(c.token_ids)))
+            rows_of[i] = list(range(len(input_ids) - c.num_logits, len(input_ids)))
+        tables = [chunks[i].block_ids for i in order]
+        computed = [chunks[i].num_computed for i in order]
+        new = [len(chunks[i].token_ids) for i in order]
         if len(input_ids) == 1 and self.pad_lone:  # one row takes another matmul kernel: run it twice
-            input_ids, positions, tables, computed, new = (
-                input_ids * 2,
-                positions * 2,
-                tables * 2,
-                computed * 2,
-                new * 2,
-            )
+            input_ids, positions, tables, computed, new = (x * 2 for x in (input_ids, positions, tables, computed, new))
         meta = AttentionMetadata.build(self.cache.block_size, tables, computed, new)
         hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), self.backend, meta)
-        result: list[int | None] = [None] * len(seqs)
-        if sample_rows:
-            pad = len(sample_rows) == 1 and self.pad_lone
-            rows = sample_rows * 2 if pad else sample_rows  # the lm_head too: never one row
-            logits = self.model.compute_logits(hidden[rows])[: len(sample_rows)]
-            tokens = sample(logits, [seqs[i].sampling for i in sample_seqs])
-            for i, token in zip(sample_seqs, tokens, strict=True):
-                result[i] = token
-        return result
+        rows = [r for i in range(len(chunks)) for r in rows_of[i]]
+        if not rows:
+            return torch.empty(0, self.model.config.vocab_size)
+        pad = len(rows) == 1 and self.pad_lone
+        return self.model.compute_logits(hidden[rows * 2 if pad else rows])[: len(rows)]  # the lm_head: never one row

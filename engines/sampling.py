@@ -73,15 +73,21 @@ def sample(logits: torch.Tensor, states: list[SamplingState]) -> list[int]:
                 out[i] = int(row.argmax())
         if p.greedy:
             continue
-        row = row / p.temperature
-        if p.top_k and p.top_k < row.shape[-1]:
-            kth = torch.topk(row, p.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        probs = torch.softmax(row, dim=-1)
-        if p.top_p < 1.0:
-            probs = _top_p(probs, p.top_p)
-        out[i] = int(torch.multinomial(probs, 1, generator=state.generator))
+        out[i] = int(torch.multinomial(distribution(row, p), 1, generator=state.generator))
     return out
+
+
+def distribution(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution a non-greedy request samples from: temperature, then top-k, then top-p, on the
+    last dimension of `logits` (float32, one row or many; top-p leaves it unnormalized). The speculative
+    core uses it for both the target's and the draft's distributions, so acceptance reproduces exactly
+    what this sampler draws."""
+    row = logits / p.temperature
+    if p.top_k and p.top_k < row.shape[-1]:
+        kth = torch.topk(row, p.top_k).values[..., -1:]
+        row = row.masked_fill(row < kth, float("-inf"))
+    dist = torch.softmax(row, dim=-1)
+    return _top_p(dist, p.top_p) if p.top_p < 1.0 else dist
 
 
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -1,0 +1,126 @@
+"""Speculative decoding inside continuous batching: which decodes draft how many tokens, and what the
+target's verification keeps.
+
+Each engine step, after the scheduler has picked the batch, every sequence that is decoding (one
+token to compute) and speculates (`engines.spec_decode.speculates`) gets a k from its own running
+acceptance rate and the measured step costs; the target's blocks for its k extra positions are taken
+(no k where the pool has none to spare: speculation never preempts anyone). The proposer drafts, the
+target computes the last token and the drafts as one chunk with logits on every row, and `accept`
+decides. Rejected positions roll back: `num_computed` stops after the kept tokens and the blocks past
+them go back to the pool, in the target and the draft alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engines.block_manager import BlockManager
+from engines.proposers import Draft, DraftProposer, NgramProposer
+from engines.scheduler import ScheduledBatch
+from engines.sequence import Sequence
+from engines.spec_decode import Acceptance, LinearCost, SpecStats, choose_k, speculates
+
+PROBE_EVERY = 16  # a request whose k fell to 0 tries one draft this often, so its rate stays current
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "off"  # "off" | "ngram" | "draft"
+    num_speculative_tokens: int = 4  # the most drafts per sequence per step (k_max)
+    adaptive: bool = True  # False: always k_max (benchmarks, tests)
+    ngram_max: int = 4
+    ngram_min: int = 2
+    draft_kv_cache_bytes: int = 256 << 20
+    prior_acceptance: float = 0.6  # a new request's acceptance rate before it has any
+
+    def __post_init__(self) -> None:
+        if self.method not in ("off", "ngram", "draft"):
+            raise ValueError(f"speculative method must be off, ngram or draft, not {self.method!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be at least 1")
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, proposer: NgramProposer | DraftProposer) -> None:
+        self.config = config
+        self.proposer = proposer
+        self.stats = SpecStats()
+        self.target_cost = LinearCost(per_token_share=0.2)
+        self.draft_cost = LinearCost(per_token_share=0.2)
+        self._acceptance: dict[str, Acceptance] = {}
+        self._global = Acceptance()
+
+    def propose(self, batch: ScheduledBatch, bm: BlockManager, max_model_len: int, budget: int) -> dict[int, Draft]:
+        """Drafts for the batch's decoding sequences, by batch index; takes the target blocks they need.
+        `budget`: the most extra tokens this step may carry."""
+        eligible = [
+            i
+            for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new, strict=True))
+            if n == 1 and seq.num_uncomputed == 1 and speculates(seq.request.params)
+        ]
+        if not eligible:
+            return {}
+        prior = self._global.rate(self.config.prior_acceptance)
+        costs = self._costs(len(batch.seqs), batch.num_tokens, len(eligible))
+        seqs, ks = [], []
+        for i in eligible:
+            seq = batch.seqs[i]
+            left = min(seq.request.params.max_tokens - seq.num_generated, max_model_len - len(seq.token_ids)) - 1
+            k_max = max(0, min(self.config.num_speculative_tokens, left, budget))
+            acc = self._acceptance.setdefault(seq.request_id, Acceptance())
+            if self.config.adaptive:
+                probe = acc.idle_steps >= PROBE_EVERY
+                k = choose_k(acc.rate(prior), k_max, *costs, probe=probe)
+                acc.idle_steps = 0 if k else acc.idle_steps + 1
+            else:
+                k = k_max
+            need = bm.blocks_needed(seq.block_table, seq.num_computed + 1 + k)
+            if k and bm.can_allocate(need):
+                bm.allocate(seq.block_table, need)
+                seqs.append(i)
+                ks.append(k)
+                budget -= k
+        if not seqs:
+            return {}
+        drafts = self.proposer.propose([batch.seqs[i] for i in seqs], ks)
+        if isinstance(self.proposer, DraftProposer):
+            for tokens, seconds in self.proposer.rounds:
+                self.draft_cost.add(tokens, seconds)
+                self.stats.draft_seconds += seconds
+            self.proposer.rounds.clear()
+        return {i: d for i, d in zip(seqs, drafts, strict=True) if d.tokens}
+
+    def record_step(self, tokens: int, seconds: float) -> None:
+        """The target forward's size and time, for the cost fit."""
+        self.target_cost.add(tokens, seconds)
+
+    def verified(self, seq: Sequence, proposed: int, kept: int, emitted: int) -> None:
+        acc = self._acceptance.setdefault(seq.request_id, Acceptance())
+        acc.update(proposed, kept)
+        self._global.update(proposed, kept)
+        self._global.kept *= 0.999  # the global prior follows the recent traffic
+        self._global.trials *= 0.999
+        s = self.stats
+        s.steps += 1
+        s.proposed += proposed
+        s.accepted += kept
+        s.emitted += emitted
+        s.by_k[proposed] = s.by_k.get(proposed, 0) + 1
+        self.proposer.rollback(seq)
+
+    def release(self, seq: Sequence) -> None:
+        self._acceptance.pop(seq.request_id, None)
+        self.proposer.release(seq)
+
+    def _costs(self, num_seqs: int, num_tokens: int, num_spec: int) -> tuple[float, float, float]:
+        """(a plain step's cost per sequence, one more verified row, one drafted row) in seconds."""
+        if not self.target_cost.known:
+            return 1.0, 0.2, 0.0 if isinstance(self.proposer, NgramProposer) else 0.3  # priors: try it
+        fixed, per_token = self.target_cost.coefficients()
+        base = (fixed + per_token * num_tokens) / num_seqs
+        if isinstance(self.proposer, NgramProposer):
+            return base, per_token, 0.0
+        if not self.draft_cost.known:
+            return base, per_token, 0.3 * base
+        d_fixed, d_per_token = self.draft_cost.coefficients()
+        return base, per_token, d_fixed / num_spec + d_per_token
