@@ -156,9 +156,13 @@ class Engine:
         config: EngineConfig | None = None,
         name: str = "",
         weights: str | None = None,
+        draft_dir: str | Path | None = None,
+        draft_weights: str | None = None,
     ) -> Engine:
-        """`weights`: None serves the directory as stored, "int8"/"int4" quantize while loading."""
-        return cls(load_model(model_dir, dtype, weights), Tokenizer(model_dir), config, name=name)
+        """`weights`: None serves the directory as stored, "int8"/"int4" quantize while loading;
+        `draft_dir`/`draft_weights`: the draft model for speculative method "draft"."""
+        draft = None if draft_dir is None else load_model(draft_dir, dtype, draft_weights)
+        return cls(load_model(model_dir, dtype, weights), Tokenizer(model_dir), config, name=name, draft_model=draft)
 
     def check(self, prompt_token_ids: list[int], max_tokens: int) -> None:
         """Raise `RequestRejected` if this prompt and token budget cannot be served."""

@@ -88,6 +88,9 @@ class Speculator:
                 self.draft_cost.add(tokens, seconds)
                 self.stats.draft_seconds += seconds
             self.proposer.rounds.clear()
+        for i, draft in zip(seqs, drafts, strict=True):  # fewer drafts than asked: give back the blocks
+            seq = batch.seqs[i]
+            bm.truncate(seq.block_table, seq.num_computed + 1 + len(draft.tokens))
         return {i: d for i, d in zip(seqs, drafts, strict=True) if d.tokens}
 
     def record_step(self, tokens: int, seconds: float) -> None:

@@ -48,6 +48,17 @@ def qwen15_dir() -> Path:
     return fetched("qwen2.5-coder-1.5b-instruct")
 
 
+@pytest.fixture(scope="session")
+def qwen_int8_pair() -> tuple[Path, Path]:
+    """(0.5B, 1.5B) int8 checkpoints, quantized once into the models cache (as the tiers serve them)."""
+    from engines.quantized_checkpoint import fetch_quantized
+
+    return tuple(
+        fetch_quantized(n, MODELS_HOME, "int8", progress=False)
+        for n in ("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct")
+    )  # type: ignore[return-value]
+
+
 # --- databases -------------------------------------------------------------------------------------
 
 
