@@ -145,6 +145,11 @@ class Engine:
         proposer = DraftProposer(
             draft_model, spec.draft_kv_cache_bytes, self.config.block_size, salt=f"draft|{self.salt}"
         )
+        if spec.draft_vocab:
+            from engines.draft_head import frequent_token_ids
+
+            vocab = draft_model.config.vocab_size
+            proposer.runner.restrict_vocab(frequent_token_ids(self.tokenizer, vocab, spec.draft_vocab))
         return Speculator(spec, proposer)
 
     @classmethod
@@ -279,6 +284,10 @@ class Engine:
             if seq.finish_reason is not None:
                 del self._seqs[seq.request_id]
                 self._finish(seq)
+        if self.speculator is not None:
+            started_now = [seq for seq in batch.seqs if seq.num_generated == 1 and seq.finish_reason is None]
+            if started_now:
+                self.speculator.prefilled(len(batch.seqs), batch.num_tokens, started_now)
         self._steps += 1
         self._computed += sum(len(c.token_ids) for c in chunks)
         self._generated += sum(len(o.new_token_ids) for o in outputs)

@@ -19,6 +19,7 @@ import torch
 from engines import cpu_attention
 from engines.attention import AttentionMetadata, TorchPagedAttention
 from engines.kv_cache import PagedKVCache
+from engines.linear import Linear
 from engines.models.llama import LlamaForCausalLM
 from engines.sampling import sample
 from engines.sequence import Sequence
@@ -45,6 +46,14 @@ class ModelRunner:
         # Float models pad a lone token to two rows (below). Our quantized kernels compute every row
         # alone whatever the row count, so padding would only double their work (~20% of a step).
         self.pad_lone = model.weights_format == "bf16"
+        self.vocab: torch.Tensor | None = None  # set with `restrict_vocab`: the only ids given logits
+        self.head: Linear | None = None
+
+    def restrict_vocab(self, ids: torch.Tensor) -> None:
+        """Compute logits for `ids` only (a draft's cheap head); the rest read -inf."""
+        from engines.draft_head import restricted_head
+
+        self.vocab, self.head = ids, restricted_head(self.model, ids)
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], num_new: list[int]) -> list[int | None]:
@@ -94,4 +103,9 @@ class ModelRunner:
         if not rows:
             return torch.empty(0, self.model.config.vocab_size)
         pad = len(rows) == 1 and self.pad_lone
-        return self.model.compute_logits(hidden[rows * 2 if pad else rows])[: len(rows)]  # the lm_head: never one row
+        hidden = hidden[rows * 2 if pad else rows]  # the lm_head: never one row
+        if self.head is None:
+            return self.model.compute_logits(hidden)[: len(rows)]
+        logits = torch.full((len(rows), self.model.config.vocab_size), float("-inf"))
+        logits[:, self.vocab] = self.head(hidden)[: len(rows)].float()
+        return logits

@@ -56,6 +56,9 @@ class NgramProposer:
                 return ids[start : start + k].tolist()
         return []
 
+    def prefill(self, seqs: list[Sequence]) -> None:
+        """Nothing to compute ahead."""
+
     def rollback(self, seq: Sequence) -> None:
         """Nothing to undo: lookups keep no state."""
 
@@ -139,6 +142,42 @@ class DraftProposer:
             if probs[i]:
                 drafts[i].probs = torch.stack(probs[i])
         return drafts
+
+    def prefill(self, seqs: list[Sequence]) -> None:
+        """Compute the draft KV of every token but the newest, in one batched forward: done in the
+        step that prefills the target, so the first drafting step has no prompt to catch up on."""
+        bm = self.block_manager
+        chunks = []
+        for seq in seqs:
+            state = self.states.get(seq.request_id)
+            if state is None:
+                state = self.states[seq.request_id] = _DraftState(
+                    BlockTable(salt=f"{self.salt}|{seq.block_table.salt}")
+                )
+                state.num_computed = bm.match_prefix(state.table, seq.token_ids)
+            upto = len(seq.token_ids) - 1
+            need = bm.blocks_needed(state.table, upto)
+            if upto <= state.num_computed or not bm.can_allocate(need):
+                continue
+            bm.allocate(state.table, need)
+            chunks.append(
+                (
+                    seq,
+                    state,
+                    Chunk(seq.token_ids[state.num_computed : upto], state.num_computed, state.table.block_ids, 0),
+                )
+            )
+        if not chunks:
+            return
+        if fresh := bm.first_use:
+            self.cache.zero_blocks(fresh)
+            fresh.clear()
+        started = time.perf_counter()
+        self.runner.forward([c for _, _, c in chunks])
+        self.rounds.append((sum(len(c.token_ids) for _, _, c in chunks), time.perf_counter() - started))
+        for seq, state, c in chunks:
+            state.num_computed += len(c.token_ids)
+            bm.cache_full_blocks(state.table, seq.token_ids, state.num_computed)
 
     def rollback(self, seq: Sequence) -> None:
         """After a verification: keep the draft KV of tokens the target kept, drop the rest."""

@@ -65,8 +65,10 @@ def activation_absmax(model: torch.nn.Module, ids: list[int]) -> dict[str, torch
     handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if isinstance(m, Linear)]
     dtype = model.dtype
     # Without AVX-512, torch's bf16 matmuls crawl (~4 GFLOP/s: 140 s for Qwen 1.5B); fp32 copies of
-    # the weights run the pass ~20x faster, and bf16 -> fp32 -> bf16 gives back the same weights.
-    upcast = dtype == torch.bfloat16 and not _mkldnn_bf16()
+    # the weights run the pass ~20x faster, and bf16 -> fp32 -> bf16 gives back the same weights. (A
+    # model that is quantized already runs our kernels, and keeps its dtype.)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    upcast = dtype == torch.bfloat16 and not _mkldnn_bf16() and all(m.kernel is None for m in linears)
     try:
         if upcast:
             model.to(torch.float32)

@@ -129,6 +129,7 @@ class Acceptance:
     kept: float = 0.0
     trials: float = 0.0
     idle_steps: int = 0  # steps in a row at k = 0
+    probe_after: int = 16  # idle steps before the next probe (doubles while probes fail)
 
     def update(self, proposed: int, kept: int) -> None:
         self.kept += kept

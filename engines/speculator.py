@@ -20,7 +20,8 @@ from engines.scheduler import ScheduledBatch
 from engines.sequence import Sequence
 from engines.spec_decode import Acceptance, LinearCost, SpecStats, choose_k, speculates
 
-PROBE_EVERY = 16  # a request whose k fell to 0 tries one draft this often, so its rate stays current
+PROBE_EVERY = 16  # a request whose k fell to 0 tries one draft after this many steps, then twice as
+# many after each probe that does not bring k back, so its rate stays current at little cost
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class SpeculativeConfig:
     ngram_max: int = 4
     ngram_min: int = 2
     draft_kv_cache_bytes: int = 256 << 20
+    draft_vocab: int = 0  # > 0: the draft proposes only the first this many ids and special tokens
     prior_acceptance: float = 0.6  # a new request's acceptance rate before it has any
 
     def __post_init__(self) -> None:
@@ -69,9 +71,14 @@ class Speculator:
             k_max = max(0, min(self.config.num_speculative_tokens, left, budget))
             acc = self._acceptance.setdefault(seq.request_id, Acceptance())
             if self.config.adaptive:
-                probe = acc.idle_steps >= PROBE_EVERY
-                k = choose_k(acc.rate(prior), k_max, *costs, probe=probe)
+                merit = choose_k(acc.rate(prior), k_max, *costs, probe=False) if costs else 0
+                probe = not merit and k_max > 0 and acc.idle_steps >= acc.probe_after
+                k = merit or int(probe)
                 acc.idle_steps = 0 if k else acc.idle_steps + 1
+                if merit:
+                    acc.probe_after = PROBE_EVERY
+                elif probe:
+                    acc.probe_after *= 2
             else:
                 k = k_max
             need = bm.blocks_needed(seq.block_table, seq.num_computed + 1 + k)
@@ -83,15 +90,23 @@ class Speculator:
         if not seqs:
             return {}
         drafts = self.proposer.propose([batch.seqs[i] for i in seqs], ks)
-        if isinstance(self.proposer, DraftProposer):
-            for tokens, seconds in self.proposer.rounds:
-                self.draft_cost.add(tokens, seconds)
-                self.stats.draft_seconds += seconds
-            self.proposer.rounds.clear()
+        self._drain_rounds()
         for i, draft in zip(seqs, drafts, strict=True):  # fewer drafts than asked: give back the blocks
             seq = batch.seqs[i]
             bm.truncate(seq.block_table, seq.num_computed + 1 + len(draft.tokens))
         return {i: d for i, d in zip(seqs, drafts, strict=True) if d.tokens}
+
+    def prefilled(self, batch_size: int, num_tokens: int, seqs: list[Sequence]) -> None:
+        """Sequences that just got their first token: a draft model computes their prompts now, in
+        the prefill step, for those expected to speculate at this load."""
+        if not isinstance(self.proposer, DraftProposer):
+            return
+        costs = self._costs(batch_size, num_tokens, max(1, len(seqs)))
+        prior = self._global.rate(self.config.prior_acceptance)
+        k = self.config.num_speculative_tokens
+        if not self.config.adaptive or (costs and choose_k(prior, k, *costs, probe=False)):
+            self.proposer.prefill(seqs)
+            self._drain_rounds()
 
     def record_step(self, tokens: int, seconds: float) -> None:
         """The target forward's size and time, for the cost fit."""
@@ -115,15 +130,23 @@ class Speculator:
         self._acceptance.pop(seq.request_id, None)
         self.proposer.release(seq)
 
-    def _costs(self, num_seqs: int, num_tokens: int, num_spec: int) -> tuple[float, float, float]:
-        """(a plain step's cost per sequence, one more verified row, one drafted row) in seconds."""
+    def _drain_rounds(self) -> None:
+        if isinstance(self.proposer, DraftProposer):
+            for tokens, seconds in self.proposer.rounds:
+                self.draft_cost.add(tokens, seconds)
+                self.stats.draft_seconds += seconds
+            self.proposer.rounds.clear()
+
+    def _costs(self, num_seqs: int, num_tokens: int, num_spec: int) -> tuple[float, float, float] | None:
+        """(a plain step's cost per sequence, one more verified row, one drafted row) in seconds;
+        None until a target step has been timed (no speculation on guesses)."""
         if not self.target_cost.known:
-            return 1.0, 0.2, 0.0 if isinstance(self.proposer, NgramProposer) else 0.3  # priors: try it
+            return None
         fixed, per_token = self.target_cost.coefficients()
         base = (fixed + per_token * num_tokens) / num_seqs
         if isinstance(self.proposer, NgramProposer):
             return base, per_token, 0.0
-        if not self.draft_cost.known:
-            return base, per_token, 0.3 * base
+        if not self.draft_cost.known:  # about what a 0.5B draft costs next to a 1.5B target
+            return base, per_token, 0.35 * base
         d_fixed, d_per_token = self.draft_cost.coefficients()
         return base, per_token, d_fixed / num_spec + d_per_token

