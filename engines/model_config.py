@@ -6,7 +6,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
+MOE_WEIGHTINGS = ("router", "none")
 
 
 class UnsupportedModelError(ValueError):
@@ -28,6 +29,23 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
+    # Sparse MoE (Qwen2-MoE / Mixtral); num_experts = 0 is a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    # "router": experts weighted by their renormalised router probabilities (Qwen2-MoE, Mixtral);
+    # "none": selected experts (and the shared one) simply summed, as when a dense MLP was split into
+    # experts (`engines.moe_build`). Our own config key: `switchboard_moe_weighting`.
+    moe_weighting: str = "router"
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        return (
+            self.num_experts > 0 and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+        )
 
     @classmethod
     def from_dict(cls, cfg: dict) -> ModelConfig:
@@ -61,7 +79,9 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2 always carries q/k/v biases; Llama only when the config says so.
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            attention_bias=arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+            or bool(cfg.get("attention_bias", False)),
+            **_moe_fields(arch, cfg),
         )
 
     @classmethod
@@ -70,3 +90,30 @@ class ModelConfig:
         if not path.is_file():
             raise UnsupportedModelError(f"{model_dir} has no config.json; is it a Hugging Face model directory?")
         return cls.from_dict(json.loads(path.read_text()))
+
+
+def _moe_fields(arch: str, cfg: dict) -> dict:
+    if arch == "Qwen2MoeForCausalLM":
+        fields = dict(
+            num_experts=cfg["num_experts"],
+            num_experts_per_tok=cfg["num_experts_per_tok"],
+            moe_intermediate_size=cfg["moe_intermediate_size"],
+            shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 0),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            decoder_sparse_step=cfg.get("decoder_sparse_step", 1),
+            mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
+        )
+    elif arch == "MixtralForCausalLM":  # softmax over the top-k logits: renormalised top-k probabilities
+        fields = dict(
+            num_experts=cfg["num_local_experts"],
+            num_experts_per_tok=cfg["num_experts_per_tok"],
+            moe_intermediate_size=cfg["intermediate_size"],
+        )
+    else:
+        return {}
+    weighting = cfg.get("switchboard_moe_weighting", "router")
+    if weighting not in MOE_WEIGHTINGS:
+        raise UnsupportedModelError(f"switchboard_moe_weighting {weighting!r} is not one of {MOE_WEIGHTINGS}")
+    if not 0 < fields["num_experts_per_tok"] <= fields["num_experts"]:
+        raise UnsupportedModelError("num_experts_per_tok must be between 1 and num_experts")
+    return fields | {"moe_weighting": weighting}

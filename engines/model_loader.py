@@ -80,9 +80,7 @@ def _load_float(model_dir: Path, dtype: torch.dtype) -> LlamaForCausalLM:
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                target = _load_tensor(params, name, f.get_tensor(name), cfg)
-                if target:
-                    loaded.add(target)
+                loaded.update(_load_tensor(params, name, f.get_tensor(name), cfg))
     expected = {(n, shard) for n in params for shard in range(_num_shards(n))}
     if missing := expected - loaded:
         names = sorted({n for n, _ in missing})
@@ -141,38 +139,51 @@ def _num_shards(name: str) -> int:
     return 3 if ".qkv_proj." in name else 2 if ".gate_up_proj." in name else 1
 
 
+# Mixtral's names for the parts of an expert and for its MoE block.
+_MIXTRAL = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
+
+
 def _load_tensor(
     params: dict[str, torch.nn.Parameter], hf_name: str, tensor: torch.Tensor, cfg: ModelConfig
-) -> tuple[str, int] | None:
-    """Copy one checkpoint tensor into its place; returns (our name, shard) or None if skipped."""
+) -> list[tuple[str, int]]:
+    """Copy one checkpoint tensor into its place; returns the (our name, shard) pairs it filled."""
     name = hf_name.removeprefix("model.")
     if name == "lm_head.weight" and cfg.tie_word_embeddings:
-        return None  # same matrix as the embedding
+        return []  # same matrix as the embedding
     if "rotary_emb" in name:
-        return None
+        return []
+    if cfg.architecture == "MixtralForCausalLM":
+        for theirs, ours in _MIXTRAL.items():
+            name = name.replace(theirs, ours)
+    if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):  # all experts in one 3-D tensor
+        prefix, part = name.rsplit(".", 1)
+        filled = []
+        for e in range(tensor.shape[0]):
+            filled += _load_tensor(params, f"{prefix}.{e}.{part}.weight", tensor[e], cfg)
+        return filled
     for hf_part, (ours, shard) in _FUSED.items():
         if f".{hf_part}." in name:
             name = name.replace(hf_part, ours)
             param = params.get(name)
             if param is None:
                 raise UnsupportedModelError(f"unexpected tensor {hf_name}")
-            sizes = _shard_sizes(ours, cfg)
+            sizes = _shard_sizes(ours, cfg, param)
             start = sum(sizes[:shard])
             dest = param.data.narrow(0, start, sizes[shard])
             _copy(dest, tensor, hf_name)
-            return name, shard
+            return [(name, shard)]
     param = params.get(name)
     if param is None:
         raise UnsupportedModelError(f"unexpected tensor {hf_name}")
     _copy(param.data, tensor, hf_name)
-    return name, 0
+    return [(name, 0)]
 
 
-def _shard_sizes(fused: str, cfg: ModelConfig) -> list[int]:
+def _shard_sizes(fused: str, cfg: ModelConfig, param: torch.Tensor) -> list[int]:
     if fused == "qkv_proj":
         kv = cfg.num_key_value_heads * cfg.head_dim
         return [cfg.num_attention_heads * cfg.head_dim, kv, kv]
-    return [cfg.intermediate_size, cfg.intermediate_size]
+    return [param.shape[0] // 2] * 2  # gate and up: dense, expert and shared-expert sizes differ
 
 
 def _copy(dest: torch.Tensor, src: torch.Tensor, name: str) -> None:

@@ -100,7 +100,8 @@ def quantized_state(model: torch.nn.Module, fmt: str, calibration: list[int] | N
     tied = model.config.tie_word_embeddings
     quantized = set()
     for name, module in model.named_modules():
-        if isinstance(module, Linear) and not (name == "lm_head" and tied):
+        router = name.endswith((".mlp.gate", ".shared_expert_gate"))  # tiny, and decides every route
+        if isinstance(module, Linear) and not (name == "lm_head" and tied) and not router:
             state[name] = _quantize_linear(module.weight.detach(), fmt, name, absmax.get(name))
             quantized.add(f"{name}.weight")
         elif isinstance(module, Embedding):

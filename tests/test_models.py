@@ -46,6 +46,9 @@ def run_in_pieces(model: LlamaForCausalLM, ids: torch.Tensor, cuts: list[int], b
         ("llama", {"tie_word_embeddings": False, "num_key_value_heads": 4}),
         ("qwen2", {"tie_word_embeddings": False}),
         ("qwen2", {"tie_word_embeddings": True, "num_key_value_heads": 1}),
+        ("qwen2_moe", {"norm_topk_prob": False}),
+        ("qwen2_moe", {"norm_topk_prob": True, "decoder_sparse_step": 2}),  # layer 0 dense, layer 1 sparse
+        ("mixtral", {}),
     ],
 )
 def test_tiny_models_match_transformers(arch: str, overrides: dict, tmp_path: Path) -> None:

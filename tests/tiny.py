@@ -14,11 +14,31 @@ VOCAB = 320
 
 
 def tiny_hf_model(arch: str, path: Path, **overrides: object) -> Path:
-    """Save a random HF Llama or Qwen2 model (and a tokenizer) to `path`."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """Save a random HF Llama, Qwen2, Qwen2-MoE or Mixtral model (and a tokenizer) to `path`."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
+    )
 
-    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]
-    cfg = dict(
+    config_cls, model_cls = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
+        "mixtral": (MixtralConfig, MixtralForCausalLM),
+    }[arch]
+    moe = {
+        "qwen2_moe": dict(
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=96
+        ),
+        "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    }.get(arch, {})
+    cfg = moe | dict(
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=160,

@@ -6,11 +6,14 @@ from torch import nn
 
 from engines.model_config import ModelConfig
 from engines.models.llama import LlamaForCausalLM
+from engines.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM
 from engines.models.qwen2 import Qwen2ForCausalLM
 
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 
 

@@ -50,7 +50,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = SelfAttention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        if cfg.is_sparse_layer(layer_idx):
+            from engines.models.moe import SparseMoE
+
+            self.mlp: nn.Module = SparseMoE(cfg)
+        else:
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(
         self,

@@ -1,0 +1,85 @@
+"""Sparse Mixture-of-Experts decoders: Qwen2-MoE and Mixtral.
+
+Each sparse layer's MLP is a router (a linear map to one logit per expert), E SwiGLU experts and,
+in Qwen2-MoE, a shared expert every token passes through (scaled by a sigmoid gate). A token goes to
+its top-k experts by router probability, renormalised over those k when the config says so (Mixtral
+always); `moe_weighting = "none"` sums the chosen experts unweighted (a dense MLP split into experts).
+
+Compute is grouped by expert, never looped per token: the (token, expert) pairs are sorted by
+expert, each expert runs once on all of its tokens, and the weighted results are added back into
+their rows. A step reads only the experts some token in it chose, which is where decode saves bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engines.layers import SwiGLU
+from engines.linear import Linear
+from engines.model_config import ModelConfig
+from engines.models.llama import LlamaForCausalLM
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_experts = cfg.num_experts
+        self.top_k = cfg.num_experts_per_tok
+        self.normalize = cfg.norm_topk_prob or cfg.architecture == "MixtralForCausalLM"
+        self.weighted = cfg.moe_weighting == "router"
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts)  # the router; never quantized
+        self.experts = nn.ModuleList(SwiGLU(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+        shared = cfg.shared_expert_intermediate_size
+        self.shared_expert = SwiGLU(cfg.hidden_size, shared) if shared else None
+        self.shared_expert_gate = Linear(cfg.hidden_size, 1) if shared and self.weighted else None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights (T, k) in x's dtype, expert ids (T, k)) of each token's chosen experts."""
+        probs = F.softmax(self.gate(x).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if not self.weighted:
+            return torch.ones_like(weights, dtype=x.dtype), ids
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        out = torch.zeros_like(x)
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+        tokens = order // self.top_k
+        scale = weights.flatten()[order].unsqueeze(1)
+        start = 0
+        for expert, count in enumerate(torch.bincount(flat, minlength=self.num_experts).tolist()):
+            if not count:
+                continue
+            rows = tokens[start : start + count]
+            y = _run(self.experts[expert], x[rows]) * scale[start : start + count]
+            out.index_add_(0, rows, y)
+            start += count
+        if self.shared_expert is not None:
+            shared = _run(self.shared_expert, x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out += shared
+        return out
+
+
+def _run(mlp: SwiGLU, x: torch.Tensor) -> torch.Tensor:
+    """A float matmul takes another kernel for one row than for several (whose rows are identical at
+    any count; see `engines.model_runner`): a lone bf16 row runs twice so an expert's output for a
+    token does not depend on how many others chose it."""
+    if x.shape[0] == 1 and x.dtype == torch.bfloat16 and mlp.gate_up_proj.format == "bf16":
+        return mlp(x.expand(2, -1).contiguous())[:1]
+    return mlp(x)
+
+
+class Qwen2MoeForCausalLM(LlamaForCausalLM):
+    """Qwen2-MoE: Qwen2 attention (q/k/v biases) with sparse MoE MLPs."""
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    """Mixtral: Llama attention with sparse MoE MLPs (no shared expert)."""
