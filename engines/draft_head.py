@@ -10,8 +10,6 @@ outside the subset is still a distribution; `engines.spec_decode.accept` handles
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from engines.linear import Linear
@@ -26,21 +24,15 @@ def frequent_token_ids(tokenizer: Tokenizer, vocab_size: int, n: int) -> torch.T
     our calibration text, then the lowest ids (BPE merge order) until there are `n`. On MT-bench's
     reference answers 32k of them cover 96.8% of tokens (the first 32k ids alone: 95.4%)."""
     import collections
-    import pydoc_data.topics
-    import sysconfig
 
-    from engines.quantized_checkpoint import calibration_ids
+    from engines.corpus import calibration_text, python_texts
 
     ids = {i for i in tokenizer.hf.all_special_ids if i < vocab_size}
     ids |= {i for i in tokenizer.hf.get_added_vocab().values() if i < vocab_size}
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    texts = list(pydoc_data.topics.topics.values()) + [
-        p.read_text(errors="ignore") for p in sorted(stdlib.glob("*.py"))[:80]
-    ]
+    texts = [*python_texts(), calibration_text()]
     counts = collections.Counter(
         i for e in tokenizer.backend.encode_batch(texts, add_special_tokens=False) for i in e.ids
     )
-    counts.update(calibration_ids(tokenizer, limit=1 << 30))
     for i, _ in counts.most_common():
         if len(ids) >= n:
             break

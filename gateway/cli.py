@@ -65,6 +65,15 @@ def _parser() -> argparse.ArgumentParser:
     qz.add_argument("dst", metavar="DST", help="the directory to write (safetensors plus quantization.json)")
     qz.add_argument("--weights", required=True, choices=("int8", "int4"))
     qz.set_defaults(handler=_models_quantize)
+    moe = models.add_parser("moe", help="build a sparse MoE checkpoint from a dense model")
+    moe.add_argument("src", metavar="SRC", help="a registry name or a HF directory (dense Qwen2 or Llama)")
+    moe.add_argument("dst", metavar="DST", help="the directory to write (a HF Qwen2-MoE or Mixtral checkpoint)")
+    moe.add_argument("--experts", type=int, required=True, metavar="E")
+    moe.add_argument("--top-k", type=int, required=True, metavar="K", help="experts each token runs")
+    moe.add_argument("--method", required=True, choices=("upcycle", "split"))
+    moe.add_argument("--shared", type=int, default=0, metavar="N", help="split: neurons every token runs")
+    moe.add_argument("--calibration-tokens", type=int, default=4096, metavar="N", help="split: router fit")
+    moe.set_defaults(handler=_models_moe)
     ev = models.add_parser("eval", help="perplexity and GSM8K accuracy, to judge a quantized variant")
     ev.add_argument("model", metavar="MODEL", help="a registry name (fetched if missing) or a model directory")
     ev.add_argument("--weights", choices=("bf16", "int8", "int4"), help="default: as stored (registry: bf16)")
@@ -214,6 +223,33 @@ def _models_quantize(args: argparse.Namespace) -> int:
     except (UnsupportedModelError, ValueError) as exc:
         raise _Failure(str(exc)) from None
     print(out)
+    return 0
+
+
+def _models_moe(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from engines.fetch import fetch_model
+    from engines.model_config import UnsupportedModelError
+    from engines.moe_build import build_moe
+    from engines.registry import REGISTRY
+
+    if args.src in REGISTRY:
+        src = fetch_model(args.src, _settings().home_dir)
+    elif Path(args.src).expanduser().is_dir():
+        src = Path(args.src).expanduser()
+    else:
+        raise _Failure(f"{args.src} is neither a registry model nor a directory")
+    try:
+        report = build_moe(
+            src, Path(args.dst).expanduser(), experts=args.experts, top_k=args.top_k, method=args.method,
+            shared=args.shared, calibration_tokens=args.calibration_tokens,
+        )  # fmt: skip
+    except (UnsupportedModelError, ValueError) as exc:
+        raise _Failure(str(exc)) from None
+    if report is not None:
+        print(f"router recall {report.router_recall:.3f}, active MLP fraction {report.active_mlp_fraction:.3f}")
+    print(Path(args.dst).expanduser())
     return 0
 
 
