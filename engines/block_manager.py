@@ -16,6 +16,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from engines.kv_budget import KVBudget
+
 BlockHash = int
 
 
@@ -64,9 +66,22 @@ class BlockStats:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_prefix_caching: bool = True,
+        budget: KVBudget | None = None,
+        block_bytes: int = 0,
+        owner: str = "",
+    ) -> None:
+        """`budget`: a KV budget shared with other engines; each block in use charges `block_bytes`."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError("need at least one block of at least one token")
+        self.budget, self.block_bytes, self.owner = budget, block_bytes, owner
+        if budget is not None:
+            budget.register(owner)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -87,8 +102,14 @@ class BlockManager:
         """How many more blocks `table` needs to hold `num_tokens` tokens."""
         return max(0, -(-num_tokens // self.block_size) - len(table))
 
-    def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
+    def can_allocate(self, n: int, *, optional: bool = False) -> bool:
+        """Whether `n` more blocks can be had. `optional`: a refusal does not count as this engine
+        waiting for memory (speculative positions, which it can do without)."""
+        if n > len(self._free):
+            return False
+        return (
+            self.budget is None or n == 0 or self.budget.has_room(self.owner, n * self.block_bytes, optional=optional)
+        )
 
     def stats(self) -> BlockStats:
         free = len(self._free)
@@ -160,6 +181,7 @@ class BlockManager:
                 block.hash, block.token_ids = None, ()
                 self._evictions += 1
             block.ref_count = 1
+            self._charge(1)
             table.block_ids.append(block_id)
             if not self._used_before[block_id]:
                 self._used_before[block_id] = True
@@ -172,6 +194,7 @@ class BlockManager:
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
+                self._charge(-1)
                 self._free[block_id] = None
                 if block.hash is None:
                     self._free.move_to_end(block_id, last=False)  # empty: reuse before any cached block
@@ -188,6 +211,7 @@ class BlockManager:
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
+                self._charge(-1)
                 self._free[block_id] = None
                 self._free.move_to_end(block_id, last=False)  # never hashed: nothing worth keeping
         del table.block_ids[keep:]
@@ -196,4 +220,12 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.ref_count == 0:
             del self._free[block_id]
+            self._charge(1)
         block.ref_count += 1
+
+    def _charge(self, blocks: int) -> None:
+        if self.budget is not None:
+            if blocks > 0:
+                self.budget.charge(self.owner, blocks * self.block_bytes)
+            else:
+                self.budget.release(self.owner, -blocks * self.block_bytes)

@@ -18,6 +18,7 @@ import torch
 
 from engines.block_manager import BlockManager, BlockTable
 from engines.detokenizer import IncrementalDetokenizer
+from engines.kv_budget import KVBudget
 from engines.kv_cache import PagedKVCache, bytes_per_block
 from engines.model_loader import load_model
 from engines.model_runner import Chunk, ModelRunner
@@ -89,8 +90,10 @@ class Engine:
         *,
         name: str = "",
         draft_model: LlamaForCausalLM | None = None,
+        kv_budget: KVBudget | None = None,
     ) -> None:
-        """`draft_model`: the proposer for `config.speculative.method == "draft"` (same tokenizer)."""
+        """`draft_model`: the proposer for `config.speculative.method == "draft"` (same tokenizer).
+        `kv_budget`: a KV budget shared with other engines, in place of `config.kv_cache_bytes`."""
         self.model = model
         self.tokenizer = tokenizer
         self.config = config = config or EngineConfig()
@@ -104,7 +107,8 @@ class Engine:
         per_block = bytes_per_block(
             cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, config.block_size, self.dtype, kv_dtype
         )
-        num_blocks = config.kv_cache_bytes // per_block
+        self.kv_budget = kv_budget
+        num_blocks = (kv_budget.total_bytes if kv_budget else config.kv_cache_bytes) // per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} holds no block of {per_block} bytes")
         self.cache = PagedKVCache(
@@ -116,8 +120,14 @@ class Engine:
             self.dtype,
             kv_dtype,
         )
+        owner = name or cfg.architecture
         self.block_manager = BlockManager(
-            num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+            num_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            budget=kv_budget,
+            block_bytes=per_block,
+            owner=owner,
         )
         self.scheduler = Scheduler(
             self.block_manager,
@@ -143,7 +153,11 @@ class Engine:
         if draft_model.config.vocab_size > self.model.config.vocab_size:
             raise ValueError("the draft model's vocabulary is larger than the target's")
         proposer = DraftProposer(
-            draft_model, spec.draft_kv_cache_bytes, self.config.block_size, salt=f"draft|{self.salt}"
+            draft_model,
+            spec.draft_kv_cache_bytes,
+            self.config.block_size,
+            salt=f"draft|{self.salt}",
+            budget=self.kv_budget,
         )
         if spec.draft_vocab:
             from engines.draft_head import frequent_token_ids
@@ -163,11 +177,13 @@ class Engine:
         weights: str | None = None,
         draft_dir: str | Path | None = None,
         draft_weights: str | None = None,
+        kv_budget: KVBudget | None = None,
     ) -> Engine:
         """`weights`: None serves the directory as stored, "int8"/"int4" quantize while loading;
         `draft_dir`/`draft_weights`: the draft model for speculative method "draft"."""
         draft = None if draft_dir is None else load_model(draft_dir, dtype, draft_weights)
-        return cls(load_model(model_dir, dtype, weights), Tokenizer(model_dir), config, name=name, draft_model=draft)
+        model = load_model(model_dir, dtype, weights)
+        return cls(model, Tokenizer(model_dir), config, name=name, draft_model=draft, kv_budget=kv_budget)
 
     def check(self, prompt_token_ids: list[int], max_tokens: int) -> None:
         """Raise `RequestRejected` if this prompt and token budget cannot be served."""

@@ -19,6 +19,7 @@ import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
 from engines.block_manager import BlockManager, BlockTable
+from engines.kv_budget import KVBudget
 from engines.kv_cache import PagedKVCache, bytes_per_block
 from engines.model_runner import Chunk, ModelRunner
 from engines.models.llama import LlamaForCausalLM
@@ -78,19 +79,27 @@ class DraftProposer:
 
     has_probs = True
 
-    def __init__(self, model: LlamaForCausalLM, kv_cache_bytes: int, block_size: int, salt: str = "draft") -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_cache_bytes: int,
+        block_size: int,
+        salt: str = "draft",
+        budget: KVBudget | None = None,
+    ) -> None:
+        """`budget`: draw the draft's blocks from a shared KV budget instead of `kv_cache_bytes`."""
         cfg = model.config
         per_block = bytes_per_block(
             cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, block_size, model.dtype
         )
-        num_blocks = kv_cache_bytes // per_block
+        num_blocks = (budget.total_bytes if budget else kv_cache_bytes) // per_block
         if num_blocks < 1:
             raise ValueError(f"draft kv_cache_bytes={kv_cache_bytes} holds no block of {per_block} bytes")
         self.model = model
         self.cache = PagedKVCache(
             cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, num_blocks, block_size, model.dtype
         )
-        self.block_manager = BlockManager(num_blocks, block_size)
+        self.block_manager = BlockManager(num_blocks, block_size, budget=budget, block_bytes=per_block, owner=salt)
         self.runner = ModelRunner(model, self.cache)
         self.salt = salt
         self.states: dict[str, _DraftState] = {}
@@ -109,7 +118,7 @@ class DraftProposer:
                 state.num_computed = bm.match_prefix(state.table, seq.token_ids)
             # The draft writes KV for the tokens it lacks and for drafts 1..k-1.
             need = bm.blocks_needed(state.table, len(seq.token_ids) + k - 1)
-            if k < 1 or not bm.can_allocate(need):
+            if k < 1 or not bm.can_allocate(need, optional=True):
                 continue
             bm.allocate(state.table, need)
             state.pending = []
@@ -157,7 +166,7 @@ class DraftProposer:
                 state.num_computed = bm.match_prefix(state.table, seq.token_ids)
             upto = len(seq.token_ids) - 1
             need = bm.blocks_needed(state.table, upto)
-            if upto <= state.num_computed or not bm.can_allocate(need):
+            if upto <= state.num_computed or not bm.can_allocate(need, optional=True):
                 continue
             bm.allocate(state.table, need)
             chunks.append(

@@ -82,7 +82,7 @@ class Speculator:
             else:
                 k = k_max
             need = bm.blocks_needed(seq.block_table, seq.num_computed + 1 + k)
-            if k and bm.can_allocate(need):
+            if k and bm.can_allocate(need, optional=True):
                 bm.allocate(seq.block_table, need)
                 seqs.append(i)
                 ks.append(k)

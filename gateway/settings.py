@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -36,7 +36,9 @@ class TierSettings(BaseModel):
     threads: int | None = Field(None, ge=1, description="torch threads for this tier; default: all CPUs")
     max_model_len: int | None = Field(None, ge=16, description="context limit; default: the model's")
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV-cache block")
-    kv_cache_bytes: ByteSize = Field(ByteSize(1 << 30), description='the KV pool, e.g. "1GiB" or "512MiB"')
+    kv_cache_bytes: ByteSize | None = Field(
+        None, description='a KV pool of its own, e.g. "512MiB"; default: draw from the shared `kv_pool_bytes`'
+    )
     max_num_seqs: int = Field(64, ge=1, description="most sequences in one engine step")
     max_num_batched_tokens: int = Field(512, ge=1, description="most tokens in one step (the prefill chunk)")
     enable_prefix_caching: bool = True
@@ -44,9 +46,28 @@ class TierSettings(BaseModel):
         "auto", description='"int8" stores keys and values in int8 with per-token scales: ~2x the tokens'
     )
 
+    speculative: Literal["off", "ngram", "draft"] = Field(
+        "off", description="speculative decoding: n-gram lookup, or a smaller tier (`draft_tier`) drafting"
+    )
+    draft_tier: str | None = Field(None, description='the tier whose model drafts for this one ("draft")')
+    num_speculative_tokens: int = Field(4, ge=1, le=16, description="most drafted tokens per step")
+    draft_vocab: int = Field(0, ge=0, description="> 0: the draft proposes only this many frequent tokens")
+
     @property
     def is_registry_model(self) -> bool:
         return self.model in REGISTRY
+
+
+# Named sets of tiers. default: the product's shape, a 0.5B and a 1.5B Qwen2.5-Coder sharing a
+# tokenizer, int8 (bf16 crawls on CPUs without AVX-512; int8 is within 0.2% perplexity). tiny: SmolLM2
+# for tests and quick starts.
+PROFILES: dict[str, dict[str, dict]] = {
+    "default": {
+        "small": {"model": "qwen2.5-coder-0.5b-instruct", "weights": "int8"},
+        "large": {"model": "qwen2.5-coder-1.5b-instruct", "weights": "int8"},
+    },
+    "tiny": {"small": {"model": "smollm2-135m-instruct"}},
+}
 
 
 class Settings(BaseSettings):
@@ -57,7 +78,11 @@ class Settings(BaseSettings):
     redis_url: str | None = None
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    tiers: dict[str, TierSettings] = Field(default_factory=lambda: {"small": TierSettings()})
+    profile: Literal["default", "tiny"] = Field("default", description="the tiers served when `tiers` is not set")
+    tiers: dict[str, TierSettings] = Field(default_factory=dict, description="name → tier; default: the profile's")
+    kv_pool_bytes: ByteSize = Field(
+        ByteSize(1 << 30), description="KV memory every tier without its own `kv_cache_bytes` draws from"
+    )
     max_request_bytes: int = Field(1 << 20, ge=1024, description="larger bodies get HTTP 413")
     max_n: int = Field(8, ge=1, description="most choices one request may ask for")
     default_max_tokens: int | None = Field(None, ge=1, description="when a request sets none; default: context left")
@@ -67,6 +92,15 @@ class Settings(BaseSettings):
     prefix_cache_scope: Literal["tenant", "shared"] = Field(
         "tenant", description="tenant: cached prompt prefixes are reused only within a tenant"
     )
+
+    @model_validator(mode="after")
+    def _tiers(self) -> Settings:
+        if not self.tiers:
+            self.tiers = {name: TierSettings(**tier) for name, tier in PROFILES[self.profile].items()}
+        for name, tier in self.tiers.items():
+            if tier.speculative == "draft" and (tier.draft_tier not in self.tiers or tier.draft_tier == name):
+                raise ValueError(f"tier {name!r}: draft_tier must name another tier, not {tier.draft_tier!r}")
+        return self
 
     @classmethod
     def settings_customise_sources(

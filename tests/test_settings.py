@@ -10,13 +10,18 @@ from pydantic import ValidationError
 from gateway.settings import Settings
 
 
-def test_defaults_serve_smollm2_as_small_on_sqlite(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_defaults_serve_the_qwen_pair_on_sqlite(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SWITCHBOARD_HOME", raising=False)
     s = Settings()
     assert (s.host, s.port) == ("127.0.0.1", 8000)
-    assert list(s.tiers) == ["small"] and s.tiers["small"].model == "smollm2-135m-instruct"
+    assert list(s.tiers) == ["small", "large"] and s.tiers["large"].model == "qwen2.5-coder-1.5b-instruct"
     assert s.database == f"sqlite:///{Path('~/.cache/switchboard').expanduser() / 'switchboard.db'}"
-    assert s.model_dir(s.tiers["small"]) == Path("~/.cache/switchboard/models/smollm2-135m-instruct").expanduser()
+    assert (
+        s.model_dir(s.tiers["small"])
+        == Path("~/.cache/switchboard/models/qwen2.5-coder-0.5b-instruct-int8").expanduser()
+    )
+    tiny = Settings(profile="tiny")
+    assert list(tiny.tiers) == ["small"] and tiny.tiers["small"].model == "smollm2-135m-instruct"
 
 
 def test_toml_file_then_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
