@@ -74,6 +74,13 @@ def _parser() -> argparse.ArgumentParser:
     moe.add_argument("--shared", type=int, default=0, metavar="N", help="split: neurons every token runs")
     moe.add_argument("--calibration-tokens", type=int, default=4096, metavar="N", help="split: router fit")
     moe.set_defaults(handler=_models_moe)
+    dist = models.add_parser("distill", help="train a draft model toward its target's next-token distribution")
+    dist.add_argument("dst", metavar="DST", help="the directory to write the distilled draft to (resumes there)")
+    dist.add_argument("--student", default="qwen2.5-coder-0.5b-instruct", help="the draft: registry name or HF dir")
+    dist.add_argument("--teacher", default="qwen2.5-coder-1.5b-instruct", help="the target (its int8 checkpoint)")
+    dist.add_argument("--steps", type=int, default=64, help="training windows of 256 tokens")
+    dist.add_argument("--train-layers", type=int, default=6, help="last decoder layers trained")
+    dist.set_defaults(handler=_models_distill)
     ev = models.add_parser("eval", help="perplexity and GSM8K accuracy, to judge a quantized variant")
     ev.add_argument("model", metavar="MODEL", help="a registry name (fetched if missing) or a model directory")
     ev.add_argument("--weights", choices=("bf16", "int8", "int4"), help="default: as stored (registry: bf16)")
@@ -249,6 +256,30 @@ def _models_moe(args: argparse.Namespace) -> int:
         raise _Failure(str(exc)) from None
     if report is not None:
         print(f"router recall {report.router_recall:.3f}, active MLP fraction {report.active_mlp_fraction:.3f}")
+    print(Path(args.dst).expanduser())
+    return 0
+
+
+def _models_distill(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from engines.distill import DistillConfig, distill
+    from engines.fetch import fetch_model
+    from engines.quantized_checkpoint import fetch_quantized
+    from engines.registry import REGISTRY
+
+    home = _settings().home_dir
+
+    def resolve(name: str, quantized: bool) -> Path:
+        if name in REGISTRY:
+            return fetch_quantized(name, home, "int8") if quantized else fetch_model(name, home)
+        if Path(name).expanduser().is_dir():
+            return Path(name).expanduser()
+        raise _Failure(f"{name} is neither a registry model nor a directory")
+
+    config = DistillConfig(steps=args.steps, train_layers=args.train_layers)
+    summary = distill(resolve(args.student, False), resolve(args.teacher, True), Path(args.dst).expanduser(), config)
+    print(f"KL(teacher || draft) on top-{config.top_k}: {summary['kl_first']:.4f} → {summary['kl_last']:.4f}")
     print(Path(args.dst).expanduser())
     return 0
 
