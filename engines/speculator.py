@@ -96,12 +96,12 @@ class Speculator:
             bm.truncate(seq.block_table, seq.num_computed + 1 + len(draft.tokens))
         return {i: d for i, d in zip(seqs, drafts, strict=True) if d.tokens}
 
-    def prefilled(self, batch_size: int, num_tokens: int, seqs: list[Sequence]) -> None:
+    def prefilled(self, batch_size: int, seqs: list[Sequence]) -> None:
         """Sequences that just got their first token: a draft model computes their prompts now, in
         the prefill step, for those expected to speculate at this load."""
         if not isinstance(self.proposer, DraftProposer):
             return
-        costs = self._costs(batch_size, num_tokens, max(1, len(seqs)))
+        costs = self._costs(batch_size, batch_size, max(1, len(seqs)))  # as the decode steps to come
         prior = self._global.rate(self.config.prior_acceptance)
         k = self.config.num_speculative_tokens
         if not self.config.adaptive or (costs and choose_k(prior, k, *costs, probe=False)):
