@@ -60,6 +60,9 @@ class NgramProposer:
     def prefill(self, seqs: list[Sequence]) -> None:
         """Nothing to compute ahead."""
 
+    def lag(self, seq: Sequence) -> int:
+        return 0
+
     def rollback(self, seq: Sequence) -> None:
         """Nothing to undo: lookups keep no state."""
 
@@ -151,6 +154,11 @@ class DraftProposer:
             if probs[i]:
                 drafts[i].probs = torch.stack(probs[i])
         return drafts
+
+    def lag(self, seq: Sequence) -> int:
+        """Tokens the draft must compute before it can draft for `seq` (1 when in step)."""
+        state = self.states.get(seq.request_id)
+        return len(seq.token_ids) - (state.num_computed if state else 0)
 
     def prefill(self, seqs: list[Sequence]) -> None:
         """Compute the draft KV of every token but the newest, in one batched forward: done in the

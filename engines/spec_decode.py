@@ -170,12 +170,21 @@ class SpecStats:
         }
 
 
-def choose_k(alpha: float, k_max: int, base_cost: float, row_cost: float, draft_row_cost: float, probe: bool) -> int:
+def choose_k(
+    alpha: float,
+    k_max: int,
+    base_cost: float,
+    row_cost: float,
+    draft_row_cost: float,
+    probe: bool,
+    setup_cost: float = 0.0,
+) -> int:
     """The k in 0..k_max with the most tokens per second for one sequence: a plain step costs
-    `base_cost` (its share of the batch), each draft adds a verified row and a drafted row."""
+    `base_cost` (its share of the batch), each draft adds a verified row and a drafted row, and
+    drafting at all adds `setup_cost` (a draft that must first catch up on tokens it skipped)."""
     best_k, best = 0, 1.0 / base_cost if base_cost > 0 else 0.0
     for k in range(1, k_max + 1):
-        rate = expected_tokens(alpha, k) / (base_cost + k * (row_cost + draft_row_cost))
+        rate = expected_tokens(alpha, k) / (base_cost + k * (row_cost + draft_row_cost) + setup_cost)
         if rate > best * 1.0001:
             best_k, best = k, rate
     return max(best_k, 1 if probe and k_max else 0)

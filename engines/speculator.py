@@ -20,6 +20,7 @@ from engines.scheduler import ScheduledBatch
 from engines.sequence import Sequence
 from engines.spec_decode import Acceptance, LinearCost, SpecStats, choose_k, speculates
 
+AMORTIZE_STEPS = 16  # steps over which a draft's catch-up on skipped tokens is expected to pay back
 PROBE_EVERY = 16  # a request whose k fell to 0 tries one draft after this many steps, then twice as
 # many after each probe that does not bring k back, so its rate stays current at little cost
 
@@ -71,8 +72,12 @@ class Speculator:
             k_max = max(0, min(self.config.num_speculative_tokens, left, budget))
             acc = self._acceptance.setdefault(seq.request_id, Acceptance())
             if self.config.adaptive:
-                merit = choose_k(acc.rate(prior), k_max, *costs, probe=False) if costs else 0
-                probe = not merit and k_max > 0 and acc.idle_steps >= acc.probe_after
+                # A draft that skipped tokens computes them before it drafts: a cost spread over the
+                # steps it then saves, and a reason not to probe (cheap probes only).
+                lag = self.proposer.lag(seq)
+                setup = lag * self._draft_per_token() / AMORTIZE_STEPS
+                merit = choose_k(acc.rate(prior), k_max, *costs, probe=False, setup_cost=setup) if costs else 0
+                probe = not merit and k_max > 0 and lag <= k_max + 2 and acc.idle_steps >= acc.probe_after
                 k = merit or int(probe)
                 acc.idle_steps = 0 if k else acc.idle_steps + 1
                 if merit:
@@ -129,6 +134,11 @@ class Speculator:
     def release(self, seq: Sequence) -> None:
         self._acceptance.pop(seq.request_id, None)
         self.proposer.release(seq)
+
+    def _draft_per_token(self) -> float:
+        if not isinstance(self.proposer, DraftProposer) or not self.draft_cost.known:
+            return 0.0
+        return self.draft_cost.coefficients()[1]
 
     def _drain_rounds(self) -> None:
         if isinstance(self.proposer, DraftProposer):
