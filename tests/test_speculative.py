@@ -69,14 +69,32 @@ def spec_engine(model_dir: Path, method: str, **kw: object) -> Engine:
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 @pytest.mark.parametrize("adaptive", [False, True])
-def test_speculative_greedy_is_plain_greedy(tiny_dir: Path, method: str, adaptive: bool) -> None:
+def test_speculative_greedy_is_plain_greedy(
+    tiny_dir: Path, method: str, adaptive: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     plain = run(Engine.from_dir(tiny_dir, dtype="fp32"), requests())
     engine = spec_engine(tiny_dir, method, adaptive=adaptive)
+    if adaptive:  # costs as on a CPU where a step is bound by reading weights: verified rows are cheap
+        assert engine.speculator is not None
+        monkeypatch.setattr(engine.speculator, "_costs", lambda *_: (1.0, 0.02, 0.05 if method == "draft" else 0.0))
     assert run(engine, requests(), check=True) == plain
     stats = engine.stats().speculative
     assert stats["spec_proposed"] > 0 and stats["spec_accepted"] > 0
     if method == "draft":  # the draft is the target: every draft is the target's own argmax
         assert stats["spec_acceptance_rate"] == 1.0
+    if adaptive and method == "draft":  # all accepted: the rate climbs and k with it
+        assert max(engine.speculator.stats.by_k) == 4
+
+
+def test_adaptive_k_stops_drafting_when_rows_cost_as_much_as_steps(
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = spec_engine(tiny_dir, "draft", adaptive=True)
+    assert engine.speculator is not None
+    monkeypatch.setattr(engine.speculator, "_costs", lambda *_: (1.0, 0.9, 0.9))
+    run(engine, requests(), check=True)
+    assert engine.stats().speculative["spec_proposed"] == 0
+    assert not engine.speculator.proposer.states  # and the draft never computed a prompt
 
 
 def test_a_draft_head_cut_to_frequent_tokens_stays_lossless(tiny_dir: Path) -> None:
