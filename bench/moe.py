@@ -88,6 +88,7 @@ def with_top_k(moe_dir: Path, k: int) -> Path:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--shared", type=int, default=1792, help="neurons every token runs (of 8960)")
     p.add_argument("--top-k", type=int, nargs="+", default=[2, 4], help="experts per token to serve")
     p.add_argument("--calibration-tokens", type=int, default=4096)
     p.add_argument("--ppl-tokens", type=int, default=4096)

@@ -74,6 +74,8 @@ class EngineStats:
     step_tokens_p50: float
     block_size: int
     kv_cache_bytes: int
+    kv_budget_bytes: int  # the byte budget this engine shares with other tiers (0: a pool of its own)
+    kv_budget_used_bytes: int  # of it, in use by every engine drawing on it
     speculative: dict[str, float | int]  # proposed, accepted, acceptance rate, mean accepted length
 
     def as_dict(self) -> dict[str, float | int]:
@@ -339,5 +341,7 @@ class Engine:
             step_tokens_p50=statistics.median(n for _, n in recent) if recent else 0.0,
             block_size=self.config.block_size,
             kv_cache_bytes=self.cache.nbytes,
+            kv_budget_bytes=self.kv_budget.total_bytes if self.kv_budget else 0,
+            kv_budget_used_bytes=self.kv_budget.used_bytes if self.kv_budget else 0,
             speculative=self.speculator.stats.as_dict() if self.speculator else {},
         )
