@@ -29,6 +29,7 @@ from pathlib import Path
 from common import mtbench_questions, say
 
 from engines.engine import Engine, EngineConfig
+from engines.fetch import fetch_model
 from engines.model_loader import load_model
 from engines.quality import gsm8k_prompt, load_gsm8k
 from engines.quantized_checkpoint import fetch_quantized
@@ -74,6 +75,7 @@ def main() -> None:
     p.add_argument("--k", type=int, default=4, help="most drafts per step")
     p.add_argument("--draft-vocab", type=int, default=32768, help="draft head: ids below this, plus specials")
     p.add_argument("--skip-levers", action="store_true")
+    p.add_argument("--distilled", type=Path, help="a distilled draft (`switchboard models distill`) to compare")
     p.add_argument("--home", type=Path, default=Path(os.environ.get("SWITCHBOARD_HOME", "~/.cache/switchboard")))
     args = p.parse_args()
     home = args.home.expanduser()
@@ -82,6 +84,9 @@ def main() -> None:
     say("models: quantized checkpoints (made once)")
     target_dir = fetch_quantized(TARGET, home, "int8")
     drafts = {fmt: load_model(fetch_quantized(DRAFT, home, fmt), "bf16") for fmt in ("int8", "int4")}
+    if args.distilled:  # both quantized the same way from float weights, so only distillation differs
+        drafts["original, int4 from bf16"] = load_model(fetch_model(DRAFT, home), "bf16", "int4")
+        drafts["distilled"] = load_model(args.distilled, "bf16", "int4")
     plain = Engine.from_dir(target_dir, config=EngineConfig(kv_cache_bytes=256 << 20))
     tok = plain.tokenizer
     questions = mtbench_questions(home)
@@ -126,6 +131,9 @@ def main() -> None:
         measure("+ int4 draft", fixed, "int4", 1, base1)
         measure("+ 32k-token draft head", replace(fixed, draft_vocab=args.draft_vocab), "int4", 1, base1)
     measure("draft", full, "int4", 1, base1)
+    if args.distilled:
+        measure("draft, int4 from bf16", full, "original, int4 from bf16", 1, base1)
+        measure("draft, distilled", full, "distilled", 1, base1)
     ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=args.k)
     measure("ngram", ngram, "int8", 1, base1)
     say("plain, batch 8")
