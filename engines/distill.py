@@ -34,6 +34,7 @@ class DistillConfig:
     lr: float = 2e-5
     train_layers: int = 6
     save_every: int = 16
+    eval_windows: int = 4  # held out from the end of the corpus: KL before and after training
     seed: int = 0
 
 
@@ -63,6 +64,20 @@ def teacher_targets(teacher_dir: Path, windows: list[list[int]], top_k: int, pro
     return out
 
 
+def _kl(model: torch.nn.Module, ids: list[int], target: tuple) -> torch.Tensor:
+    """KL(teacher ‖ student) on the teacher's top-k (renormalised), mean over positions."""
+    top_ids, top_logp = target
+    logits = model(torch.tensor([ids])).logits[0]
+    logp = torch.log_softmax(logits.float(), dim=-1).gather(1, top_ids.long())
+    p = torch.softmax(top_logp.float(), dim=-1)
+    return (p * (torch.log(p.clamp_min(1e-12)) - logp)).sum(-1).mean()
+
+
+@torch.no_grad()
+def held_out_kl(model: torch.nn.Module, windows: list[list[int]], targets: list[tuple]) -> float:
+    return sum(float(_kl(model, w, t)) for w, t in zip(windows, targets, strict=True)) / max(1, len(windows))
+
+
 def distill(
     student_dir: Path,
     teacher_dir: Path,
@@ -72,7 +87,8 @@ def distill(
     corpus_ids: list[int] | None = None,
     progress: bool = True,
 ) -> dict[str, float]:
-    """Train and write the distilled draft to `out_dir`; returns the first and last window losses.
+    """Train and write the distilled draft to `out_dir`; returns the KL on held-out windows before and
+    after.
     `corpus_ids`: token ids to train on instead of `engines.corpus` text."""
     from transformers import AutoModelForCausalLM
 
@@ -85,7 +101,11 @@ def distill(
     if corpus_ids is None:
         text = calibration_text() + "\n\n" + "\n\n".join(python_texts())
         corpus_ids = Tokenizer(student_dir).encode(text)
-    ids = corpus_ids[: config.steps * config.window]
+    held_out = [
+        corpus_ids[len(corpus_ids) - (i + 1) * config.window : len(corpus_ids) - i * config.window]
+        for i in range(config.eval_windows)
+    ]
+    ids = corpus_ids[: len(corpus_ids) - config.eval_windows * config.window][: config.steps * config.window]
     windows = [ids[i : i + config.window] for i in range(0, len(ids) - config.window + 1, config.window)]
     if len(windows) < config.steps:
         raise ValueError(f"the corpus gives {len(windows)} windows, fewer than {config.steps} steps")
@@ -95,6 +115,12 @@ def distill(
     if len(targets) < len(windows):
         targets += teacher_targets(Path(teacher_dir), windows[len(targets) :], config.top_k, progress)
         torch.save(targets, targets_path)
+    held_path = out_dir / "teacher-held-out.pt"
+    if held_path.is_file():
+        held_targets = torch.load(held_path)
+    else:
+        held_targets = teacher_targets(Path(teacher_dir), held_out, config.top_k, progress)
+        torch.save(held_targets, held_path)
 
     torch.manual_seed(config.seed)
     model = AutoModelForCausalLM.from_pretrained(student_dir, dtype=torch.float32)
@@ -114,16 +140,14 @@ def distill(
         state = torch.load(state_path)
         model.load_state_dict(state["model"], strict=False)
         opt.load_state_dict(state["optimizer"])
-        start, losses = state["step"], state["losses"]
+        start, losses, kl_before = state["step"], state["losses"], state["kl_before"]
+    else:
+        kl_before = held_out_kl(model, held_out, held_targets)
     bar = tqdm(
         range(start, config.steps), desc="distill", unit="step", initial=start, total=config.steps, disable=not progress
     )
     for step in bar:
-        top_ids, top_logp = targets[step]
-        logits = model(torch.tensor([windows[step]])).logits[0]
-        logp = torch.log_softmax(logits.float(), dim=-1).gather(1, top_ids.long())
-        p = torch.softmax(top_logp.float(), dim=-1)  # the teacher's top-k, renormalised
-        loss = (p * (torch.log(p.clamp_min(1e-12)) - logp)).sum(-1).mean()  # KL(teacher ‖ student) on top-k
+        loss = _kl(model, windows[step], targets[step])
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
@@ -133,17 +157,24 @@ def distill(
         if (step + 1) % config.save_every == 0 or step + 1 == config.steps:
             trained = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
             torch.save(
-                {"model": trained, "optimizer": opt.state_dict(), "step": step + 1, "losses": losses}, state_path
+                {
+                    "model": trained,
+                    "optimizer": opt.state_dict(),
+                    "step": step + 1,
+                    "losses": losses,
+                    "kl_before": kl_before,
+                },
+                state_path,
             )
     model.eval()
+    kl_after = held_out_kl(model, held_out, held_targets)
     model.to(torch.bfloat16).save_pretrained(out_dir)
     for name in _COPY:
         if (Path(student_dir) / name).is_file():
             shutil.copy2(Path(student_dir) / name, out_dir / name)
-    k = max(1, len(losses) // 8)
     summary = {
-        "kl_first": sum(losses[:k]) / k,
-        "kl_last": sum(losses[-k:]) / k,
+        "kl_before": kl_before,  # on the held-out windows
+        "kl_after": kl_after,
         "steps": len(losses),
         "tokens": len(losses) * config.window,
     }

@@ -106,7 +106,10 @@ class DraftProposer:
         self.runner = ModelRunner(model, self.cache)
         self.salt = salt
         self.states: dict[str, _DraftState] = {}
-        self.rounds: list[tuple[int, float]] = []  # (tokens, seconds) of each draft forward since last read
+        # (tokens, seconds) since last read: drafting rounds (a token or two per sequence), and prompt
+        # computations and catch-ups, which cost per token what drafting rounds don't.
+        self.rounds: list[tuple[int, float]] = []
+        self.prefills: list[tuple[int, float]] = []
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         """k drafts per sequence (fewer where the draft pool is full), batched over sequences."""
@@ -140,7 +143,8 @@ class DraftProposer:
                 chunks.append(Chunk(feed, state.num_computed, state.table.block_ids))
             started = time.perf_counter()
             logits = self.runner.forward(chunks)
-            self.rounds.append((sum(len(c.token_ids) for c in chunks), time.perf_counter() - started))
+            fed = sum(len(c.token_ids) for c in chunks)
+            (self.rounds if fed <= 2 * len(chunks) else self.prefills).append((fed, time.perf_counter() - started))
             for row, i in enumerate(active):
                 seq, state = seqs[i], self.states[seqs[i].request_id]
                 state.num_computed += len(chunks[row].token_ids)
@@ -191,7 +195,7 @@ class DraftProposer:
             fresh.clear()
         started = time.perf_counter()
         self.runner.forward([c for _, _, c in chunks])
-        self.rounds.append((sum(len(c.token_ids) for _, _, c in chunks), time.perf_counter() - started))
+        self.prefills.append((sum(len(c.token_ids) for _, _, c in chunks), time.perf_counter() - started))
         for seq, state, c in chunks:
             state.num_computed += len(c.token_ids)
             bm.cache_full_blocks(state.table, seq.token_ids, state.num_computed)

@@ -52,6 +52,7 @@ class Speculator:
         self.draft_cost = LinearCost(per_token_share=0.2)
         self._acceptance: dict[str, Acceptance] = {}
         self._global = Acceptance()
+        self._catchup_per_token = 0.0
 
     def propose(self, batch: ScheduledBatch, bm: BlockManager, max_model_len: int, budget: int) -> dict[int, Draft]:
         """Drafts for the batch's decoding sequences, by batch index; takes the target blocks they need.
@@ -136,16 +137,22 @@ class Speculator:
         self.proposer.release(seq)
 
     def _draft_per_token(self) -> float:
-        if not isinstance(self.proposer, DraftProposer) or not self.draft_cost.known:
-            return 0.0
-        return self.draft_cost.coefficients()[1]
+        """Seconds per token of a draft's prompt computation or catch-up."""
+        return self._catchup_per_token
 
     def _drain_rounds(self) -> None:
         if isinstance(self.proposer, DraftProposer):
             for tokens, seconds in self.proposer.rounds:
                 self.draft_cost.add(tokens, seconds)
                 self.stats.draft_seconds += seconds
+            for tokens, seconds in self.proposer.prefills:
+                rate = seconds / tokens
+                self._catchup_per_token = (
+                    rate if not self._catchup_per_token else 0.8 * self._catchup_per_token + 0.2 * rate
+                )
+                self.stats.draft_seconds += seconds
             self.proposer.rounds.clear()
+            self.proposer.prefills.clear()
 
     def _costs(self, num_seqs: int, num_tokens: int, num_spec: int) -> tuple[float, float, float] | None:
         """(a plain step's cost per sequence, one more verified row, one drafted row) in seconds;

@@ -279,7 +279,7 @@ def _models_distill(args: argparse.Namespace) -> int:
 
     config = DistillConfig(steps=args.steps, train_layers=args.train_layers)
     summary = distill(resolve(args.student, False), resolve(args.teacher, True), Path(args.dst).expanduser(), config)
-    print(f"KL(teacher || draft) on top-{config.top_k}: {summary['kl_first']:.4f} → {summary['kl_last']:.4f}")
+    print(f"held-out KL(teacher || draft), top-{config.top_k}: {summary['kl_before']:.4f} → {summary['kl_after']:.4f}")
     print(Path(args.dst).expanduser())
     return 0
 
