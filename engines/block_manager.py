@@ -191,13 +191,7 @@ class BlockManager:
         """Release a sequence's blocks; cached ones stay reusable until evicted."""
         # Tail blocks first: they are the least likely to be shared, so they are evicted first.
         for block_id in reversed(table.block_ids):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._charge(-1)
-                self._free[block_id] = None
-                if block.hash is None:
-                    self._free.move_to_end(block_id, last=False)  # empty: reuse before any cached block
+            self._release(block_id)
         table.block_ids.clear()
         table.hashes.clear()
 
@@ -208,13 +202,17 @@ class BlockManager:
         if keep < len(table.hashes):
             raise ValueError("cannot truncate into blocks registered in the prefix cache")
         for block_id in reversed(table.block_ids[keep:]):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._charge(-1)
-                self._free[block_id] = None
-                self._free.move_to_end(block_id, last=False)  # never hashed: nothing worth keeping
+            self._release(block_id)  # never hashed: to the front of the free queue
         del table.block_ids[keep:]
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._charge(-1)
+            self._free[block_id] = None
+            if block.hash is None:
+                self._free.move_to_end(block_id, last=False)  # empty: reuse before any cached block
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]

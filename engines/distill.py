@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -23,7 +22,6 @@ import torch
 from tqdm import tqdm
 
 STATE = "distill-state.pt"
-_COPY = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
 @dataclass(frozen=True)
@@ -42,14 +40,13 @@ class DistillConfig:
 def teacher_targets(teacher_dir: Path, windows: list[list[int]], top_k: int, progress: bool) -> list[tuple]:
     """(top-k ids, top-k log-probs) of the teacher at every position of each window."""
     from engines.attention import AttentionMetadata
+    from engines.block_manager import BlockTable
     from engines.engine import Engine, EngineConfig
 
     engine = Engine.from_dir(teacher_dir, config=EngineConfig(kv_cache_bytes=64 << 20))
     bm, bs = engine.block_manager, engine.config.block_size
     out = []
     for ids in tqdm(windows, desc="teacher", unit="window", disable=not progress):
-        from engines.block_manager import BlockTable
-
         table = BlockTable(salt="distill")
         bm.allocate(table, -(-len(ids) // bs))
         if fresh := bm.first_use:
@@ -93,7 +90,7 @@ def distill(
     from transformers import AutoModelForCausalLM
 
     from engines.corpus import calibration_text, python_texts
-    from engines.tokenizer import Tokenizer
+    from engines.tokenizer import Tokenizer, copy_tokenizer_files
 
     config = config or DistillConfig()
     out_dir = Path(out_dir)
@@ -169,9 +166,7 @@ def distill(
     model.eval()
     kl_after = held_out_kl(model, held_out, held_targets)
     model.to(torch.bfloat16).save_pretrained(out_dir)
-    for name in _COPY:
-        if (Path(student_dir) / name).is_file():
-            shutil.copy2(Path(student_dir) / name, out_dir / name)
+    copy_tokenizer_files(Path(student_dir), out_dir)
     summary = {
         "kl_before": kl_before,  # on the held-out windows
         "kl_after": kl_after,

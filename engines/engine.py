@@ -268,7 +268,7 @@ class Engine:
             # Decode and verification steps only: prefill chunks cost per token what decode rows don't.
             self.speculator.record_step(sum(len(c.token_ids) for c in chunks), time.perf_counter() - forward_started)
         plain = [i for i, c in enumerate(chunks) if c.num_logits and i not in drafts]
-        rows = [sum(c.num_logits for c in chunks[:i]) for i in range(len(chunks))]
+        rows = [0, *itertools.accumulate(c.num_logits for c in chunks)]  # each chunk's first logits row
         sampled = dict(
             zip(plain, sample(logits[[rows[i] for i in plain]], [batch.seqs[i].sampling for i in plain]), strict=True)
         )

@@ -1,4 +1,4 @@
-"""The model runner: turns a scheduled batch into one forward pass over the paged KV cache, then samples.
+"""The model runner: turns a step's chunks into one forward pass over the paged KV cache, and logits.
 
 Sequences are laid out flat, one-token queries first (decodes), then multi-token chunks, so one set
 of matmuls serves every sequence: the weights are read once per step however many sequences ride.
@@ -21,8 +21,6 @@ from engines.attention import AttentionMetadata, TorchPagedAttention
 from engines.kv_cache import PagedKVCache
 from engines.linear import Linear
 from engines.models.llama import LlamaForCausalLM
-from engines.sampling import sample
-from engines.sequence import Sequence
 
 
 @dataclass(frozen=True)
@@ -54,24 +52,6 @@ class ModelRunner:
         from engines.draft_head import restricted_head
 
         self.vocab, self.head = ids, restricted_head(self.model, ids)
-
-    @torch.inference_mode()
-    def run(self, seqs: list[Sequence], num_new: list[int]) -> list[int | None]:
-        """Compute `num_new[i]` tokens of `seqs[i]`; returns the sampled next token of each sequence
-        whose target is now fully computed, None for the others (chunks of a longer prefill)."""
-        chunks = []
-        for seq, n in zip(seqs, num_new, strict=True):
-            done = seq.num_computed
-            ends = done + n == len(seq.token_ids)
-            chunks.append(Chunk(seq.token_ids[done : done + n], done, seq.block_table.block_ids, int(ends)))
-        logits = self.forward(chunks)
-        ending = [i for i, c in enumerate(chunks) if c.num_logits]
-        result: list[int | None] = [None] * len(seqs)
-        if ending:
-            tokens = sample(logits, [seqs[i].sampling for i in ending])
-            for i, token in zip(ending, tokens, strict=True):
-                result[i] = token
-        return result
 
     @torch.inference_mode()
     def forward(self, chunks: list[Chunk]) -> torch.Tensor:

@@ -31,9 +31,9 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from engines.model_config import ModelConfig, UnsupportedModelError
+from engines.tokenizer import copy_tokenizer_files
 
 MOE_ARCH = {"Qwen2ForCausalLM": "Qwen2MoeForCausalLM", "LlamaForCausalLM": "MixtralForCausalLM"}
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
 @dataclass(frozen=True)
@@ -149,9 +149,7 @@ def _write(src: Path, dst: Path, tensors: dict[str, torch.Tensor], config: dict)
             metadata={"format": "pt"},
         )
         (staging / "config.json").write_text(json.dumps(config, indent=2))
-        for name in _TOKENIZER_FILES:
-            if (src / name).is_file():
-                shutil.copy2(src / name, staging / name)
+        copy_tokenizer_files(src, staging)
         if dst.exists():
             shutil.rmtree(dst)
         staging.rename(dst)

@@ -116,12 +116,7 @@ class DraftProposer:
         bm = self.block_manager
         live: list[int] = []
         for i, (seq, k) in enumerate(zip(seqs, ks, strict=True)):
-            state = self.states.get(seq.request_id)
-            if state is None:
-                state = self.states[seq.request_id] = _DraftState(
-                    BlockTable(salt=f"{self.salt}|{seq.block_table.salt}")
-                )
-                state.num_computed = bm.match_prefix(state.table, seq.token_ids)
+            state = self._state(seq)
             # The draft writes KV for the tokens it lacks and for drafts 1..k-1.
             need = bm.blocks_needed(state.table, len(seq.token_ids) + k - 1)
             if k < 1 or not bm.can_allocate(need, optional=True):
@@ -159,6 +154,14 @@ class DraftProposer:
                 drafts[i].probs = torch.stack(probs[i])
         return drafts
 
+    def _state(self, seq: Sequence) -> _DraftState:
+        """The draft's KV state for `seq`, created (with any cached prefix attached) on first use."""
+        state = self.states.get(seq.request_id)
+        if state is None:
+            state = self.states[seq.request_id] = _DraftState(BlockTable(salt=f"{self.salt}|{seq.block_table.salt}"))
+            state.num_computed = self.block_manager.match_prefix(state.table, seq.token_ids)
+        return state
+
     def lag(self, seq: Sequence) -> int:
         """Tokens the draft must compute before it can draft for `seq` (1 when in step)."""
         state = self.states.get(seq.request_id)
@@ -170,12 +173,7 @@ class DraftProposer:
         bm = self.block_manager
         chunks = []
         for seq in seqs:
-            state = self.states.get(seq.request_id)
-            if state is None:
-                state = self.states[seq.request_id] = _DraftState(
-                    BlockTable(salt=f"{self.salt}|{seq.block_table.salt}")
-                )
-                state.num_computed = bm.match_prefix(state.table, seq.token_ids)
+            state = self._state(seq)
             upto = len(seq.token_ids) - 1
             need = bm.blocks_needed(state.table, upto)
             if upto <= state.num_computed or not bm.can_allocate(need, optional=True):

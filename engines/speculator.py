@@ -52,7 +52,7 @@ class Speculator:
         self.draft_cost = LinearCost(per_token_share=0.2)
         self._acceptance: dict[str, Acceptance] = {}
         self._global = Acceptance()
-        self._catchup_per_token = 0.0
+        self._catchup_per_token = 0.0  # seconds per token of a draft's prompt computation or catch-up
 
     def propose(self, batch: ScheduledBatch, bm: BlockManager, max_model_len: int, budget: int) -> dict[int, Draft]:
         """Drafts for the batch's decoding sequences, by batch index; takes the target blocks they need.
@@ -76,7 +76,7 @@ class Speculator:
                 # A draft that skipped tokens computes them before it drafts: a cost spread over the
                 # steps it then saves, and a reason not to probe (cheap probes only).
                 lag = self.proposer.lag(seq)
-                setup = lag * self._draft_per_token() / AMORTIZE_STEPS
+                setup = lag * self._catchup_per_token / AMORTIZE_STEPS
                 merit = choose_k(acc.rate(prior), k_max, *costs, probe=False, setup_cost=setup) if costs else 0
                 probe = not merit and k_max > 0 and lag <= k_max + 2 and acc.idle_steps >= acc.probe_after
                 k = merit or int(probe)
@@ -135,10 +135,6 @@ class Speculator:
     def release(self, seq: Sequence) -> None:
         self._acceptance.pop(seq.request_id, None)
         self.proposer.release(seq)
-
-    def _draft_per_token(self) -> float:
-        """Seconds per token of a draft's prompt computation or catch-up."""
-        return self._catchup_per_token
 
     def _drain_rounds(self) -> None:
         if isinstance(self.proposer, DraftProposer):

@@ -9,6 +9,18 @@ from typing import Any
 import tokenizers
 from jinja2 import TemplateError
 
+# What a model directory holds besides its config and weights, for tokenizing and generating.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+
+
+def copy_tokenizer_files(src: Path, dst: Path) -> None:
+    """Copy `TOKENIZER_FILES` that `src` has into `dst` (a derived checkpoint tokenizes the same)."""
+    import shutil
+
+    for name in TOKENIZER_FILES:
+        if (Path(src) / name).is_file():
+            shutil.copy2(Path(src) / name, Path(dst) / name)
+
 
 class ChatTemplateError(ValueError):
     """The messages cannot be rendered by the model's chat template."""
