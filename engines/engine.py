@@ -299,6 +299,8 @@ class Engine:
             self.block_manager.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed)
             if i in drafts and self.speculator is not None:
                 self.speculator.verified(seq, len(drafts[i].tokens), len(tokens) - 1, len(appended))
+                seq.draft_proposed += len(drafts[i].tokens)
+                seq.draft_accepted += min(len(tokens) - 1, len(appended))  # billed: never past the end
             outputs.append(seq.output(appended))
             if seq.finish_reason is not None:
                 del self._seqs[seq.request_id]

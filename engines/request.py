@@ -35,6 +35,9 @@ class RequestOutput:
     completion_tokens: int  # generated so far, including a final end-of-turn token
     finish_reason: FinishReason | None = None
     error: str | None = None
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache on admission
+    draft_proposed: int = 0  # drafted tokens this request's verifications checked, so far
+    draft_accepted: int = 0  # of them, kept
 
     @property
     def finished(self) -> bool:

@@ -90,6 +90,8 @@ class Scheduler:
                 seq.num_computed = 0
                 break
             bm.record_lookup(len(seq.token_ids), hit)
+            if seq.cached_tokens < 0:  # billed once: a preempted sequence's recompute is our cost, not theirs
+                seq.cached_tokens = min(hit, seq.prompt_len)
             bm.allocate(table, need)
             self.waiting.pop(0)
             seq.status = Status.RUNNING

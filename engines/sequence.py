@@ -35,6 +35,9 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    cached_tokens: int = -1  # prompt tokens the prefix cache covered on first admission (-1: not yet)
+    draft_proposed: int = 0
+    draft_accepted: int = 0
 
     def __post_init__(self) -> None:
         self.sampling = SamplingState(self.request.params)
@@ -80,4 +83,7 @@ class Sequence:
             prompt_tokens=self.prompt_len,
             completion_tokens=self.num_generated,
             finish_reason=self.finish_reason,
+            cached_tokens=max(0, self.cached_tokens),
+            draft_proposed=self.draft_proposed,
+            draft_accepted=self.draft_accepted,
         )

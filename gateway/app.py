@@ -11,12 +11,16 @@ from fastapi import FastAPI
 
 from engines.async_engine import AsyncEngine
 from gateway import errors
-from gateway.api import admin, health, openai
+from gateway.api import admin, finance, health, openai
+from gateway.api import policies as policy_api
 from gateway.body_limit import BodySizeLimit
 from gateway.db.database import Database
+from gateway.ledger import Ledger
 from gateway.pipeline import Pipeline
 from gateway.settings import Settings
-from gateway.usage import UsageRecorder
+from policies.budgets import Budgets
+from policies.counters import Counters, LocalCounters, RedisCounters
+from policies.store import PolicyStore
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +39,13 @@ def create_app(
         db = database or Database(settings.database)
         if settings.auto_migrate:
             db.upgrade()
-        recorder = UsageRecorder(db, settings.home_dir / "usage-spool.jsonl")
-        if replayed := recorder.replay_spool():
+        ledger = Ledger(db, settings.home_dir / "usage-spool.jsonl")
+        if replayed := ledger.replay_spool():
             log.warning("wrote %d spooled usage rows to the database", replayed)
+        counters: Counters = (
+            RedisCounters(settings.redis_url, settings.redis_namespace) if settings.redis_url else LocalCounters()
+        )
+        policies = PolicyStore(db)
         if engines is None:
             from gateway.tiers import load_engines
 
@@ -47,7 +55,9 @@ def create_app(
         for engine in set(running.values()):
             engine.start()
         app.state.db = db
-        app.state.pipeline = Pipeline(running, recorder, settings)
+        app.state.policies = policies
+        app.state.budgets = Budgets(db, counters, settings.redis_namespace)
+        app.state.pipeline = Pipeline(running, ledger, settings, policies, app.state.budgets)
         app.state.started = int(time.time())
         try:
             yield
@@ -55,6 +65,7 @@ def create_app(
             if engines is None:  # engines passed in belong to the caller
                 for engine in set(running.values()):
                     engine.shutdown()
+            await counters.close()
             if database is None:
                 db.dispose()
 
@@ -68,5 +79,7 @@ def create_app(
     errors.install(app)
     app.include_router(openai.router)
     app.include_router(admin.router)
+    app.include_router(policy_api.router)
+    app.include_router(finance.router)
     app.include_router(health.router)
     return app

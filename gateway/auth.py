@@ -8,8 +8,10 @@ from typing import Annotated
 import anyio
 from fastapi import Depends, Header, Request
 
+from gateway.db.database import Database
+from gateway.db.models import Tenant
 from gateway.errors import APIError
-from gateway.tenants import Principal, authenticate
+from gateway.tenants import Principal, authenticate, tenant_by_name
 
 
 async def require_principal(request: Request, authorization: Annotated[str | None, Header()] = None) -> Principal:
@@ -52,3 +54,13 @@ def require_role(*roles: str) -> Callable[[Principal], Awaitable[Principal]]:
 
 
 AdminPrincipal = Annotated[Principal, Depends(require_role("admin"))]
+FinancePrincipal = Annotated[Principal, Depends(require_role("finance"))]
+PolicyReader = Annotated[Principal, Depends(require_role("admin", "finance"))]
+
+
+def visible_tenant(db: Database, principal: Principal, name: str) -> Tenant:
+    """The named tenant if this caller may see it; 404 otherwise (whether or not it exists)."""
+    tenant = tenant_by_name(db, name)
+    if tenant is None or not principal.may_see(tenant.id):
+        raise APIError(404, f"No tenant named {name!r} that this key can see.", code="tenant_not_found", param="tenant")
+    return tenant

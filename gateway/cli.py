@@ -93,6 +93,8 @@ def _parser() -> argparse.ArgumentParser:
     tenant = sub.add_parser("tenant", help="tenants").add_subparsers(metavar="ACTION")
     create = tenant.add_parser("create", help="create a tenant and print its first key")
     create.add_argument("name")
+    create.add_argument("--operator", action="store_true", help="its admin and finance keys reach every tenant")
+    create.add_argument("--role", default="app", choices=("app", "admin", "finance"), help="the first key's role")
     create.set_defaults(handler=_tenant_create)
 
     key = sub.add_parser("key", help="API keys").add_subparsers(metavar="ACTION")
@@ -106,6 +108,11 @@ def _parser() -> argparse.ArgumentParser:
 
     db = sub.add_parser("db", help="database").add_subparsers(metavar="ACTION")
     db.add_parser("upgrade", help="bring the schema up to date").set_defaults(handler=_db_upgrade)
+
+    budgets = sub.add_parser("budgets", help="spend counters").add_subparsers(metavar="ACTION")
+    rec = budgets.add_parser("reconcile", help="rewrite the spend counters from the SQL ledger")
+    rec.add_argument("--stale-after", type=float, default=3600.0, metavar="S", help="drop older reservations")
+    rec.set_defaults(handler=_budgets_reconcile)
     return p
 
 
@@ -287,8 +294,9 @@ def _models_distill(args: argparse.Namespace) -> int:
 def _tenant_create(args: argparse.Namespace) -> int:
     from gateway.tenants import create_tenant
 
-    issued = create_tenant(_database(), args.name)
-    print(f"created tenant {issued.tenant}; its API key (shown once, store it now):", file=sys.stderr)
+    issued = create_tenant(_database(), args.name, operator=args.operator, role=args.role)
+    kind = "operator tenant" if args.operator else "tenant"
+    print(f"created {kind} {issued.tenant}; its {issued.role} key (shown once, store it now):", file=sys.stderr)
     print(issued.key)
     return 0
 
@@ -307,6 +315,28 @@ def _key_revoke(args: argparse.Namespace) -> int:
 
     revoke_key(_database(), args.prefix)
     print(f"revoked {args.prefix}", file=sys.stderr)
+    return 0
+
+
+def _budgets_reconcile(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from policies.budgets import Budgets
+    from policies.counters import RedisCounters
+
+    settings = _settings()
+    if not settings.redis_url:
+        print("no redis_url: counters live in the gateway process and rebuild from SQL on start", file=sys.stderr)
+        return 0
+
+    async def run() -> int:
+        counters = RedisCounters(settings.redis_url, settings.redis_namespace)  # type: ignore[arg-type]
+        try:
+            return await Budgets(_database(), counters, settings.redis_namespace).reconcile(args.stale_after)
+        finally:
+            await counters.close()
+
+    print(f"rewrote {asyncio.run(run())} spend counters from the ledger", file=sys.stderr)
     return 0
 
 

@@ -48,9 +48,13 @@ class APIError(Exception):
         self.param = param
         self.type = type or _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
         self.headers = headers
+        self.details: list[dict[str, Any]] | None = None  # every problem, where there are several
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        error: dict[str, Any] = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        if self.details:
+            error["details"] = self.details
+        return {"error": error}
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)

@@ -1,11 +1,13 @@
 """The request pipeline: one path from a validated API request to engine outputs and a usage row.
 
-    start()   resolve the model to a tier, build the prompts, check every limit  → 4xx before anything runs
-    events()  run the engine requests and stream choice deltas; record usage exactly once, however
-              the stream ends (finished, client gone, engine error)
+    start()   the tenant's policy (allowed tiers, sampling clamps), the prompts, every limit, then the
+              budget and rate-limit reservation of the worst case  → 4xx/429 before anything runs
+    events()  run the engine requests and stream choice deltas; price what ran, write one ledger row
+              and settle the reservation, exactly once, however the stream ends (finished, client
+              gone, engine error)
 
-Later stages (policies, normalization, the response cache, routing, budgets, verifiers) slot in here,
-in this order, so the API routes stay thin translators between HTTP and this module.
+Later stages (normalization, the response cache, routing, verifiers) slot in here, so the API
+routes stay thin translators between HTTP and this module.
 """
 
 from __future__ import annotations
@@ -15,15 +17,17 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field, replace
+from decimal import Decimal
 
 import anyio
 
 from engines.async_engine import AsyncEngine, EngineUnavailable
 from engines.engine import RequestRejected
-from engines.request import EngineRequest, FinishReason
+from engines.request import EngineRequest, FinishReason, RequestOutput
 from engines.sampling import SamplingParams
 from engines.tokenizer import ChatTemplateError, Tokenizer
 from gateway.errors import APIError, invalid
+from gateway.ledger import Ledger, UsageRecord
 from gateway.schemas import (
     UNSUPPORTED_CHAT,
     UNSUPPORTED_COMPLETION,
@@ -33,7 +37,10 @@ from gateway.schemas import (
 )
 from gateway.settings import Settings
 from gateway.tenants import Principal
-from gateway.usage import UsageRecord, UsageRecorder
+from policies.budgets import Budgets, Reservation
+from policies.policy import Policy
+from policies.pricing import Tokens, charge, worst_case
+from policies.store import PolicyStore, Versioned
 
 
 @dataclass(frozen=True)
@@ -54,10 +61,18 @@ class Generation:
     engine: AsyncEngine
     requests: list[EngineRequest]  # one per choice, in choice order
     prompt_tokens: int  # each distinct prompt counted once, as OpenAI bills n > 1
-    recorder: UsageRecorder
+    ledger: Ledger
+    budgets: Budgets
+    policy: Versioned
+    reservation: Reservation
+    tier_model: str  # the checkpoint behind the tier, for the ledger
+    requested_max: list[int]  # per choice: what the request asked for (or its room), before the policy cap
+    requested_max_tokens: int | None  # as sent
+    num_prompts: int = 1
     created: int = field(default_factory=lambda: int(time.time()))
     completion_tokens: int = 0
     status: str = "pending"
+    charged: bool = False
 
     @property
     def num_choices(self) -> int:
@@ -81,6 +96,9 @@ class Generation:
         try:
             stream = self.engine.open(self.requests)
         except EngineUnavailable:  # stopped between start() and now: nothing ran, nothing to record
+            with anyio.CancelScope(shield=True):
+                self.charged = True
+                await self.budgets.settle(self.reservation, Decimal(0), 0)
             raise _unavailable(self.model) from None
         try:
             async for out in stream:
@@ -101,41 +119,111 @@ class Generation:
             raise
         finally:
             # Shielded: a cancelled request must still be aborted, counted to its last generated
-            # token (tokens still queued for a departed client included) and written down.
+            # token (tokens still queued for a departed client included), priced and written down.
             with anyio.CancelScope(shield=True):
                 await stream.aclose()
                 self.completion_tokens = sum(o.completion_tokens for o in stream.last.values())
-                rec = UsageRecord(
-                    request_id=self.request_id,
-                    tenant_id=self.principal.tenant_id,
-                    api_key_id=self.principal.key_id,
-                    endpoint=self.endpoint,
-                    model=self.model,
-                    prompt_tokens=self.prompt_tokens,
-                    completion_tokens=self.completion_tokens,
-                    latency_ms=round((time.perf_counter() - started) * 1000),
-                    status=self.status,
-                    finish_reason="abort" if self.status == "aborted" else reasons[0],
-                )
-                await anyio.to_thread.run_sync(self.recorder.record, rec)
+                await self._account(stream.last, reasons, time.perf_counter() - started)
+
+    async def _account(self, last: Mapping[str, RequestOutput], reasons: list[str | None], seconds: float) -> None:
+        """Price what ran, write its ledger row, then settle the reservation to the actual cost."""
+        outs = [last.get(r.request_id) for r in self.requests]
+        cached = 0  # each distinct prompt billed once: its least-cached choice
+        for first in range(0, len(outs), self._choices_per_prompt):
+            group = outs[first : first + self._choices_per_prompt]
+            cached += min((o.cached_tokens if o else 0) for o in group)
+        cut = 0  # completion tokens the policy's cap stopped: choices that ran into it
+        for r, o, asked, reason in zip(self.requests, outs, self.requested_max, reasons, strict=True):
+            if o is not None and reason == "length" and asked > r.params.max_tokens == o.completion_tokens:
+                cut += asked - r.params.max_tokens
+        tokens = Tokens(
+            prompt=self.prompt_tokens,
+            completion=self.completion_tokens,
+            cached_prompt=cached,
+            draft_accepted=sum(o.draft_accepted for o in outs if o),
+            policy_cut=cut,
+        )
+        price = charge(self.policy.policy, self.model, tokens)
+        rec = UsageRecord(
+            request_id=self.request_id,
+            tenant_id=self.principal.tenant_id,
+            api_key_id=self.principal.key_id,
+            endpoint=self.endpoint,
+            model=self.tier_model,
+            tier=self.model,
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            latency_ms=round(seconds * 1000),
+            status=self.status,
+            finish_reason="abort" if self.status == "aborted" else reasons[0],
+            cached_prompt_tokens=cached,
+            draft_proposed=sum(o.draft_proposed for o in outs if o),
+            draft_accepted=tokens.draft_accepted,
+            requested_max_tokens=self.requested_max_tokens,
+            effective_max_tokens=self.requests[0].params.max_tokens,
+            policy_version=self.policy.version,
+            cost=price.cost,
+            counterfactual_cost=price.counterfactual,
+            saved_cache=price.saved_cache,
+            saved_routing=price.saved_routing,
+            saved_speculation=price.saved_speculation,
+            saved_verifier=price.saved_verifier,
+            saved_policy=price.saved_policy,
+        )
+        self.charged = True
+        await anyio.to_thread.run_sync(self.ledger.record, rec)
+        await self.budgets.settle(self.reservation, price.cost, tokens.prompt + tokens.completion)
+
+    @property
+    def _choices_per_prompt(self) -> int:
+        return max(1, len(self.requests) // max(1, self.num_prompts))
+
+    async def abandon(self) -> None:
+        """Give back the reservation of a generation that never ran (its client left first)."""
+        if self.status == "pending" and not self.charged:
+            self.status = "abandoned"
+            self.charged = True
+            with anyio.CancelScope(shield=True):
+                await self.budgets.settle(self.reservation, Decimal(0), 0)
 
 
 class Pipeline:
-    def __init__(self, engines: Mapping[str, AsyncEngine], recorder: UsageRecorder, settings: Settings) -> None:
+    def __init__(
+        self,
+        engines: Mapping[str, AsyncEngine],
+        ledger: Ledger,
+        settings: Settings,
+        policies: PolicyStore,
+        budgets: Budgets,
+    ) -> None:
         self.engines = dict(engines)
-        self.recorder = recorder
+        self.ledger = ledger
         self.settings = settings
+        self.policies = policies
+        self.budgets = budgets
 
-    def engine(self, model: str) -> AsyncEngine:
+    async def policy(self, principal: Principal) -> Versioned:
+        return await anyio.to_thread.run_sync(self.policies.current, principal.tenant_id)
+
+    def engine(self, model: str, policy: Policy) -> AsyncEngine:
         engine = self.engines.get(model)
         if engine is None:
             raise model_not_found(model)
+        if not policy.allows(model):
+            raise APIError(
+                403,
+                f"Your tenant's policy does not allow the model `{model}`; allowed: "
+                f"{', '.join(t for t in self.engines if policy.allows(t)) or 'none'}.",
+                code="model_not_allowed",
+                param="model",
+            )
         if not engine.alive:
             raise _unavailable(model)
         return engine
 
     async def start_chat(self, principal: Principal, body: ChatCompletionRequest) -> Generation:
-        engine = self.engine(body.model)
+        policy = await self.policy(principal)
+        engine = self.engine(body.model, policy.policy)
         _reject_unsupported(body, UNSUPPORTED_CHAT)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
         try:
@@ -143,19 +231,23 @@ class Pipeline:
         except ChatTemplateError as exc:
             raise invalid(str(exc), param="messages") from None
         max_tokens = body.max_completion_tokens or body.max_tokens
-        return self._generation("chat.completions", "chatcmpl", principal, body, engine, [prompt], max_tokens)
+        return await self._generation(
+            "chat.completions", "chatcmpl", principal, policy, body, engine, [prompt], max_tokens
+        )
 
     async def start_completion(self, principal: Principal, body: CompletionRequest) -> Generation:
-        engine = self.engine(body.model)
+        policy = await self.policy(principal)
+        engine = self.engine(body.model, policy.policy)
         _reject_unsupported(body, UNSUPPORTED_COMPLETION)
         prompts = await anyio.to_thread.run_sync(_completion_prompts, body.prompt, engine.tokenizer)
-        return self._generation("completions", "cmpl", principal, body, engine, prompts, body.max_tokens)
+        return await self._generation("completions", "cmpl", principal, policy, body, engine, prompts, body.max_tokens)
 
-    def _generation(
+    async def _generation(
         self,
         endpoint: str,
         id_prefix: str,
         principal: Principal,
+        policy: Versioned,
         body: ChatCompletionRequest | CompletionRequest,
         engine: AsyncEngine,
         prompts: list[list[int]],
@@ -167,12 +259,24 @@ class Pipeline:
         # Cached prompt prefixes are shared within a tenant only, unless configured otherwise: a
         # faster first token would tell one tenant what another tenant's prompts begin with.
         salt = f"tenant:{principal.tenant_id}" if self.settings.prefix_cache_scope == "tenant" else ""
-        requests = []
+        requests, asked = [], []
         for p, prompt in enumerate(prompts):
-            params = self._params(body, engine, prompt, max_tokens)
+            params, wanted = self._params(body, engine, prompt, max_tokens, policy.policy)
             for j in range(body.n):
                 seeded = params if params.seed is None else replace(params, seed=params.seed + j)
                 requests.append(EngineRequest(f"{request_id}-{p * body.n + j}", prompt, seeded, cache_salt=salt))
+                asked.append(wanted)
+        prompt_tokens = sum(len(p) for p in prompts)
+        completion_max = sum(r.params.max_tokens for r in requests)
+        reservation = await self.budgets.admit(
+            request_id,
+            policy.policy,
+            principal.tenant_id,
+            principal.key_id,
+            worst_case(policy.policy, body.model, prompt_tokens, completion_max),
+            prompt_tokens + completion_max,
+        )
+        tier = self.settings.tiers.get(body.model)
         return Generation(
             request_id=request_id,
             endpoint=endpoint,
@@ -180,8 +284,15 @@ class Pipeline:
             principal=principal,
             engine=engine,
             requests=requests,
-            prompt_tokens=sum(len(p) for p in prompts),
-            recorder=self.recorder,
+            prompt_tokens=prompt_tokens,
+            ledger=self.ledger,
+            budgets=self.budgets,
+            policy=policy,
+            reservation=reservation,
+            tier_model=tier.model if tier else body.model,
+            requested_max=asked,
+            requested_max_tokens=max_tokens,
+            num_prompts=len(prompts),
         )
 
     def _params(
@@ -190,21 +301,33 @@ class Pipeline:
         engine: AsyncEngine,
         prompt: list[int],
         max_tokens: int | None,
-    ) -> SamplingParams:
+        policy: Policy,
+    ) -> tuple[SamplingParams, int]:
+        """The engine's sampling parameters after the policy's clamps, and the max tokens asked for."""
         room = engine.max_model_len - len(prompt)
         if max_tokens is None:
             max_tokens = min(room, self.settings.default_max_tokens or room)
             max_tokens = max(max_tokens, 1)  # no room left: the context check below explains
+        wanted = max_tokens
+        limits = policy.sampling
+        if limits.max_tokens_cap is not None:
+            max_tokens = min(max_tokens, limits.max_tokens_cap)
+        temperature = 1.0 if body.temperature is None else body.temperature
+        top_p = 1.0 if body.top_p is None else body.top_p
+        if limits.temperature_max is not None:
+            temperature = min(temperature, limits.temperature_max)
+        if limits.top_p_max is not None:
+            top_p = min(top_p, limits.top_p_max)
         try:
             params = SamplingParams(
                 max_tokens=max_tokens,
-                temperature=1.0 if body.temperature is None else body.temperature,
-                top_p=1.0 if body.top_p is None else body.top_p,
+                temperature=temperature,
+                top_p=top_p,
                 top_k=body.top_k or 0,
                 seed=body.seed,
                 presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty,
-                stop=tuple(body.stop_list),
+                stop=tuple(body.stop_list or limits.default_stop),
             )
             engine.check(prompt, params.max_tokens)
         except RequestRejected as exc:
@@ -212,7 +335,7 @@ class Pipeline:
             raise invalid(str(exc), param=param, code=exc.code) from None
         except ValueError as exc:
             raise invalid(str(exc)) from None
-        return params
+        return params, min(wanted, max(room, 1))
 
 
 def model_not_found(model: str) -> APIError:

@@ -75,7 +75,8 @@ class Settings(BaseSettings):
 
     home: Path = Field(DEFAULT_HOME, description="models, the embedded database and other state")
     database_url: str | None = Field(None, description="SQLAlchemy URL; default: SQLite under home")
-    redis_url: str | None = None
+    redis_url: str | None = Field(None, description="budgets and rate limits shared by replicas; default: in-process")
+    redis_namespace: str = Field("sb", description="prefix of every Redis key this gateway writes")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     profile: Literal["default", "tiny"] = Field("default", description="the tiers served when `tiers` is not set")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 import anyio
@@ -23,8 +23,14 @@ class EventStreamResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[str], headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        content: AsyncIterator[str],
+        headers: dict[str, str] | None = None,
+        on_close: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
+        self.on_close = on_close
 
     async def stream_response(self, send: Send) -> None:
         try:
@@ -32,6 +38,8 @@ class EventStreamResponse(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()  # type: ignore[attr-defined]
+                if self.on_close is not None:  # e.g. give back what a never-started stream reserved
+                    await self.on_close()
 
 
 class ClientDisconnected(Exception):

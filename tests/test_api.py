@@ -16,7 +16,7 @@ from engines.async_engine import AsyncEngine
 from gateway.tenants import authenticate, create_key, revoke_key
 from live import LiveServer, start_server
 
-MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+MESSAGES = [{"role": "user", "content": "Name the capital of France."}]
 
 
 @pytest.fixture(scope="module")

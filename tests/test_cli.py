@@ -57,7 +57,7 @@ def test_serve_answers_the_openai_client(home_env: dict[str, str], tmp_path: Pat
         key = created.stdout.strip()
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
         reply = client.chat.completions.create(
-            model="small", messages=[{"role": "user", "content": "What is the capital of France?"}], temperature=0
+            model="small", messages=[{"role": "user", "content": "Name the capital of France."}], temperature=0
         )
         assert "Paris" in reply.choices[0].message.content
         assert (Path(home_env["SWITCHBOARD_HOME"]) / "switchboard.db").exists()  # the embedded default

@@ -13,7 +13,7 @@ from engines.engine import Engine, EngineConfig, RequestRejected
 from engines.request import EngineRequest, FinishReason, RequestOutput
 from engines.sampling import SamplingParams
 
-QUESTIONS = ["What is the capital of France?", "Write a haiku about autumn leaves.", "Explain recursion briefly."]
+QUESTIONS = ["Name the capital of France.", "Write a haiku about autumn leaves.", "Explain recursion briefly."]
 
 
 @pytest.fixture(scope="module")

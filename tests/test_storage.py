@@ -11,12 +11,12 @@ from alembic.migration import MigrationContext
 
 from gateway.db.database import Database
 from gateway.db.models import ApiKey, Base, Usage
+from gateway.ledger import Ledger, UsageRecord
 from gateway.tenants import TenantError, authenticate, create_key, create_tenant, hash_key, revoke_key
-from gateway.usage import UsageRecord, UsageRecorder
 
 
 def test_migration_creates_exactly_the_models_schema(database: Database) -> None:
-    assert database.current_revision() == "0001"
+    assert database.current_revision() == "0002"
     with database.engine.connect() as conn:
         diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
     assert diff == []
@@ -64,8 +64,8 @@ def test_more_keys_roles_and_revocation(database: Database) -> None:
 def test_usage_rows_are_unique_per_request(database: Database, tmp_path: Path) -> None:
     issued = create_tenant(database, "acme")
     who = authenticate(database, issued.key)
-    rec = UsageRecord("req-1", who.tenant_id, who.key_id, "chat.completions", "small", 10, 5, 12, "ok", "stop")
-    recorder = UsageRecorder(database, tmp_path / "spool.jsonl")
+    rec = UsageRecord("req-1", who.tenant_id, who.key_id, "chat.completions", "m", "small", 10, 5, 12, "ok", "stop")
+    recorder = Ledger(database, tmp_path / "spool.jsonl")
     recorder.record(rec)
     with pytest.raises(sa.exc.IntegrityError):
         recorder.record(rec)
@@ -77,10 +77,10 @@ def test_usage_is_spooled_when_the_database_is_down_and_replayed(database: Datab
     who = authenticate(database, create_tenant(database, "acme").key)
     down = Database("postgresql+psycopg://postgres@127.0.0.1:1/none?connect_timeout=1")
     spool = tmp_path / "spool.jsonl"
-    rec = UsageRecord("req-2", who.tenant_id, who.key_id, "completions", "small", 3, 4, 5, "aborted", "abort")
-    UsageRecorder(down, spool).record(rec)
+    rec = UsageRecord("req-2", who.tenant_id, who.key_id, "completions", "m", "small", 3, 4, 5, "aborted", "abort")
+    Ledger(down, spool).record(rec)
     assert spool.exists()
-    recorder = UsageRecorder(database, spool)
+    recorder = Ledger(database, spool)
     assert recorder.replay_spool() == 1 and not spool.exists()
     with database.session() as s:
         (row,) = s.scalars(sa.select(Usage))

@@ -1,19 +1,129 @@
-"""Admin endpoints (keys with the `admin` role): what the engines are doing right now.
+"""Admin endpoints (keys with the `admin` role): tenants, keys, the audit log and engine stats.
 
-`GET /v1/engine/stats` reports, per tier, queue depth, running sequences, KV-cache use, prefix-cache
-hit rate and step times. Counts only: no tenant's prompts or usage appear here.
+An admin key of the operator's tenant manages every tenant; any other tenant's admin key manages its
+own tenant only, and other tenants do not exist for it (404).
 """
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from datetime import datetime
+from typing import Literal
 
-from gateway.auth import AdminPrincipal
+import anyio
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, Field
+
+from gateway import audit
+from gateway.auth import AdminPrincipal, visible_tenant
+from gateway.errors import APIError
+from gateway.tenants import TenantError, create_key, create_tenant, list_keys, list_tenants, revoke_key
 
 router = APIRouter(prefix="/v1", tags=["admin"])
 
 
+class TenantOut(BaseModel):
+    id: int
+    name: str
+    operator: bool
+    created_at: datetime
+
+
+class NewTenant(BaseModel):
+    name: str = Field(min_length=1, max_length=100)
+    operator: bool = False
+
+
+class NewKey(BaseModel):
+    role: Literal["app", "admin", "finance"] = "app"
+
+
+class IssuedKeyOut(BaseModel):
+    tenant: str
+    key: str = Field(description="shown once; only its hash is stored")
+    prefix: str
+    role: str
+
+
+class KeyOut(BaseModel):
+    prefix: str
+    role: str
+    created_at: datetime
+    revoked_at: datetime | None
+
+
+class AuditOut(BaseModel):
+    id: int
+    tenant_id: int | None
+    actor: str
+    action: str
+    target: str
+    before: dict | None
+    after: dict | None
+    created_at: datetime
+
+
 @router.get("/engine/stats")
 async def engine_stats(request: Request, _: AdminPrincipal) -> dict[str, dict]:
+    """Per tier: queue depth, running sequences, KV-cache use, prefix-cache hits, step times. Counts only."""
     engines = request.app.state.pipeline.engines
     return {name: {"alive": e.alive, **e.stats().as_dict()} for name, e in engines.items()}
+
+
+@router.get("/admin/tenants", response_model=list[TenantOut])
+async def tenants(request: Request, principal: AdminPrincipal) -> list[TenantOut]:
+    only = None if principal.operator else principal.tenant_id
+    rows = await anyio.to_thread.run_sync(list_tenants, request.app.state.db, only)
+    return [TenantOut(id=t.id, name=t.name, operator=t.is_operator, created_at=t.created_at) for t in rows]
+
+
+@router.post("/admin/tenants", response_model=IssuedKeyOut, status_code=201)
+async def new_tenant(body: NewTenant, request: Request, principal: AdminPrincipal) -> IssuedKeyOut:
+    if not principal.operator:
+        raise APIError(403, "Only the operator's admin keys create tenants.", code="insufficient_role")
+    try:
+        issued = await anyio.to_thread.run_sync(
+            lambda: create_tenant(request.app.state.db, body.name, operator=body.operator, actor=principal.actor)
+        )
+    except TenantError as exc:
+        raise APIError(409 if "exists" in str(exc) else 422, str(exc), param="name", code="invalid_tenant") from None
+    return IssuedKeyOut(**issued.__dict__)
+
+
+@router.get("/admin/tenants/{tenant}/keys", response_model=list[KeyOut])
+async def keys(tenant: str, request: Request, principal: AdminPrincipal) -> list[KeyOut]:
+    db = request.app.state.db
+    t = await anyio.to_thread.run_sync(visible_tenant, db, principal, tenant)
+    rows = await anyio.to_thread.run_sync(list_keys, db, t.id)
+    return [KeyOut(prefix=k.prefix, role=k.role, created_at=k.created_at, revoked_at=k.revoked_at) for k in rows]
+
+
+@router.post("/admin/tenants/{tenant}/keys", response_model=IssuedKeyOut, status_code=201)
+async def new_key(tenant: str, body: NewKey, request: Request, principal: AdminPrincipal) -> IssuedKeyOut:
+    db = request.app.state.db
+    t = await anyio.to_thread.run_sync(visible_tenant, db, principal, tenant)
+    issued = await anyio.to_thread.run_sync(lambda: create_key(db, t.name, body.role, actor=principal.actor))
+    return IssuedKeyOut(**issued.__dict__)
+
+
+@router.delete("/admin/keys/{prefix}", status_code=204)
+async def revoke(prefix: str, request: Request, principal: AdminPrincipal) -> None:
+    scope = None if principal.operator else principal.tenant_id
+    try:
+        await anyio.to_thread.run_sync(
+            lambda: revoke_key(request.app.state.db, prefix, actor=principal.actor, tenant_id=scope)
+        )
+    except TenantError as exc:
+        raise APIError(404, str(exc), param="prefix", code="key_not_found") from None
+
+
+@router.get("/admin/audit", response_model=list[AuditOut])
+async def audit_log(
+    request: Request, principal: AdminPrincipal, tenant: str | None = None, limit: int = 100
+) -> list[AuditOut]:
+    db = request.app.state.db
+    if tenant is not None:
+        tenant_id: int | None = (await anyio.to_thread.run_sync(visible_tenant, db, principal, tenant)).id
+    else:
+        tenant_id = None if principal.operator else principal.tenant_id
+    rows = await anyio.to_thread.run_sync(audit.entries, db, tenant_id, max(1, min(limit, 1000)))
+    return [AuditOut.model_validate(r, from_attributes=True) for r in rows]

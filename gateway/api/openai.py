@@ -79,23 +79,29 @@ async def _respond(
     headers = {"x-request-id": gen.request_id}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventStreamResponse(events(gen, include_usage), headers=headers)
+        return EventStreamResponse(events(gen, include_usage), headers=headers, on_close=gen.abandon)
     try:
         texts, reasons = await until_disconnect(request, _collect(gen))
     except ClientDisconnected:
         return Response(status_code=499)  # nobody is listening; the status is for the access log
+    finally:
+        await gen.abandon()  # a no-op once it ran
     return Response(result(texts, reasons).model_dump_json(), media_type="application/json", headers=headers)
 
 
 @router.get("/models", response_model=ModelList)
-async def list_models(request: Request, _: CurrentPrincipal) -> ModelList:
+async def list_models(request: Request, principal: CurrentPrincipal) -> ModelList:
+    """The tiers this tenant's policy allows."""
     created = request.app.state.started
-    return ModelList(data=[ModelCard(id=name, created=created) for name in _pipeline(request).engines])
+    policy = (await _pipeline(request).policy(principal)).policy
+    names = [name for name in _pipeline(request).engines if policy.allows(name)]
+    return ModelList(data=[ModelCard(id=name, created=created) for name in names])
 
 
 @router.get("/models/{model}", response_model=ModelCard)
-async def get_model(model: str, request: Request, _: CurrentPrincipal) -> ModelCard:
-    if model not in _pipeline(request).engines:
+async def get_model(model: str, request: Request, principal: CurrentPrincipal) -> ModelCard:
+    policy = (await _pipeline(request).policy(principal)).policy
+    if model not in _pipeline(request).engines or not policy.allows(model):
         raise model_not_found(model)
     return ModelCard(id=model, created=request.app.state.started)
 

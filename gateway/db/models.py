@@ -2,10 +2,27 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime
+from decimal import Decimal
 
-from sqlalchemy import BigInteger, DateTime, ForeignKey, Index, Integer, String
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Date,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    Numeric,
+    String,
+    UniqueConstraint,
+)
+from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator, TypeEngine
+
+from policies.pricing import UNITS
 
 
 def utcnow() -> datetime:
@@ -21,6 +38,8 @@ class Tenant(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(100), unique=True)
+    # The operator's tenant: its admin and finance keys see every tenant; other tenants' see their own.
+    is_operator: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
@@ -36,8 +55,40 @@ class ApiKey(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
 
+class MoneyType(TypeDecorator):
+    """Dollars as `Decimal`, exact: NUMERIC(24, 10) on PostgreSQL; on SQLite, which has no decimal
+    type (it would keep floats), an integer count of 1e-10 dollars, so sums stay exact there too.
+    10 places hold any per-token price given to 4 places per million tokens."""
+
+    impl = Numeric(24, 10)
+    cache_ok = True
+
+    def load_dialect_impl(self, dialect: Dialect) -> TypeEngine:
+        if dialect.name == "sqlite":
+            return dialect.type_descriptor(BigInteger())
+        return dialect.type_descriptor(Numeric(24, 10, asdecimal=True))
+
+    def process_bind_param(self, value: Decimal | int | None, dialect: Dialect) -> Decimal | int | None:
+        if value is None or dialect.name != "sqlite":
+            return value
+        units = Decimal(value) * UNITS
+        if units != units.to_integral_value():
+            raise ValueError(f"{value} has more than 10 decimal places")
+        return int(units)
+
+    def process_result_value(self, value: object, dialect: Dialect) -> Decimal | None:
+        if value is None:
+            return None
+        if dialect.name == "sqlite":
+            return Decimal(int(value)) / UNITS  # type: ignore[call-overload]
+        return Decimal(value)  # type: ignore[arg-type]
+
+
+Money = MoneyType()
+
+
 class Usage(Base):
-    """One row per request that ran; the request id as primary key makes a second row impossible."""
+    """The ledger: one row per request that ran; the request id as primary key makes a second impossible."""
 
     __tablename__ = "usage"
     __table_args__ = (Index("ix_usage_tenant_created", "tenant_id", "created_at"),)
@@ -46,10 +97,83 @@ class Usage(Base):
     tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
     api_key_id: Mapped[int | None] = mapped_column(ForeignKey("api_keys.id", ondelete="SET NULL"), nullable=True)
     endpoint: Mapped[str] = mapped_column(String(32))
-    model: Mapped[str] = mapped_column(String(100))
+    model: Mapped[str] = mapped_column(String(100))  # the checkpoint that served it
+    tier: Mapped[str] = mapped_column(String(32))
     prompt_tokens: Mapped[int] = mapped_column(Integer)
+    cached_prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
     completion_tokens: Mapped[int] = mapped_column(Integer)
+    draft_proposed: Mapped[int] = mapped_column(Integer, default=0)
+    draft_accepted: Mapped[int] = mapped_column(Integer, default=0)
+    requested_max_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    effective_max_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    cache_status: Mapped[str] = mapped_column(String(16), default="miss")  # hit | semantic-hit | miss | bypass
+    route: Mapped[str] = mapped_column(String(32), default="direct")  # direct: the request named its tier
+    verifier_actions: Mapped[list] = mapped_column(JSON, default=list)
+    policy_version: Mapped[int] = mapped_column(Integer, default=0)  # 0: the built-in default policy
+    cost: Mapped[Decimal] = mapped_column(Money, default=Decimal(0))
+    counterfactual_cost: Mapped[Decimal] = mapped_column(Money, default=Decimal(0))  # always the large tier
+    saved_cache: Mapped[Decimal] = mapped_column(Money, default=Decimal(0))  # the saving, split by lever
+    saved_routing: Mapped[Decimal] = mapped_column(Money, default=Decimal(0))
+    saved_speculation: Mapped[Decimal] = mapped_column(Money, default=Decimal(0))
+    saved_verifier: Mapped[Decimal] = mapped_column(Money, default=Decimal(0))
+    saved_policy: Mapped[Decimal] = mapped_column(Money, default=Decimal(0))
     latency_ms: Mapped[int] = mapped_column(BigInteger)
     status: Mapped[str] = mapped_column(String(16))  # ok | aborted | error
     finish_reason: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class UsageDaily(Base):
+    """Per tenant, UTC day, tier and model: the ledger's sums, kept up to date in the same transaction
+    as each usage row, so reports and budgets never scan raw rows."""
+
+    __tablename__ = "usage_daily"
+
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
+    day: Mapped[date] = mapped_column(Date, primary_key=True)
+    tier: Mapped[str] = mapped_column(String(32), primary_key=True)
+    model: Mapped[str] = mapped_column(String(100), primary_key=True)
+    requests: Mapped[int] = mapped_column(BigInteger, default=0)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    cached_prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    draft_proposed: Mapped[int] = mapped_column(BigInteger, default=0)
+    draft_accepted: Mapped[int] = mapped_column(BigInteger, default=0)
+    cost: Mapped[Decimal] = mapped_column(Money, default=Decimal(0))
+    counterfactual_cost: Mapped[Decimal] = mapped_column(Money, default=Decimal(0))
+    saved_cache: Mapped[Decimal] = mapped_column(Money, default=Decimal(0))
+    saved_routing: Mapped[Decimal] = mapped_column(Money, default=Decimal(0))
+    saved_speculation: Mapped[Decimal] = mapped_column(Money, default=Decimal(0))
+    saved_verifier: Mapped[Decimal] = mapped_column(Money, default=Decimal(0))
+    saved_policy: Mapped[Decimal] = mapped_column(Money, default=Decimal(0))
+
+
+class PolicyVersion(Base):
+    """Every version of every tenant's policy; the highest version is in force. Never updated."""
+
+    __tablename__ = "policy_versions"
+    __table_args__ = (UniqueConstraint("tenant_id", "version", name="uq_policy_versions_tenant_version"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    version: Mapped[int] = mapped_column(Integer)
+    body: Mapped[dict] = mapped_column(JSON)
+    note: Mapped[str] = mapped_column(String(200), default="")
+    created_by: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class AuditEntry(Base):
+    """Who changed what, when, and the before and after."""
+
+    __tablename__ = "audit_log"
+    __table_args__ = (Index("ix_audit_log_tenant_created", "tenant_id", "created_at"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant_id: Mapped[int | None] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), nullable=True)
+    actor: Mapped[str] = mapped_column(String(64))  # the acting key's prefix and role, or "cli"
+    action: Mapped[str] = mapped_column(String(32))
+    target: Mapped[str] = mapped_column(String(200))
+    before: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    after: Mapped[dict | None] = mapped_column(JSON, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

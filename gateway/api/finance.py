@@ -1,0 +1,106 @@
+"""Finance endpoints (keys with the `finance` role) and a tenant's own usage (any key).
+
+The operator's finance keys see every tenant; another tenant's finance keys see their own. All
+answers come from the daily rollup; money is a decimal string, never a float.
+"""
+
+from __future__ import annotations
+
+from datetime import date
+from typing import Any
+
+import anyio
+from fastapi import APIRouter, Query, Request, Response
+
+from gateway import reports
+from gateway.auth import CurrentPrincipal, FinancePrincipal, visible_tenant
+from gateway.errors import APIError
+from gateway.tenants import Principal
+
+router = APIRouter(prefix="/v1", tags=["finance"])
+
+GROUPS = ("day", "tier", "model")
+
+
+async def _scope(request: Request, principal: Principal, tenant: str | None) -> list[int] | None:
+    if tenant is not None:
+        return [(await anyio.to_thread.run_sync(visible_tenant, request.app.state.db, principal, tenant)).id]
+    return None if principal.operator else [principal.tenant_id]
+
+
+def _groups(group_by: str) -> tuple[Any, ...]:
+    parts = tuple(p.strip() for p in group_by.split(",") if p.strip())
+    if not parts or any(p not in GROUPS for p in parts):
+        raise APIError(422, f"group_by takes a comma-separated subset of {', '.join(GROUPS)}", param="group_by")
+    return parts
+
+
+def _range(start: date | None, end: date | None) -> None:
+    if start and end and start > end:
+        raise APIError(422, "start must not be after end", param="start")
+
+
+def _json(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: (str(v) if not isinstance(v, int | float | str) else v) for k, v in r.items()} for r in rows]
+
+
+@router.get("/finance/costs")
+async def costs(
+    request: Request,
+    principal: FinancePrincipal,
+    tenant: str | None = None,
+    start: date | None = None,
+    end: date | None = None,
+    group_by: str = Query("day", description="comma-separated: day, tier, model"),
+) -> dict[str, Any]:
+    """Cost by tenant and day / tier / model, with tokens by kind and the always-large counterfactual."""
+    _range(start, end)
+    ids, groups = await _scope(request, principal, tenant), _groups(group_by)
+    rows = await anyio.to_thread.run_sync(reports.costs, request.app.state.db, ids, start, end, groups)
+    return {"object": "list", "data": _json(rows)}
+
+
+@router.get("/finance/costs.csv")
+async def costs_csv(
+    request: Request,
+    principal: FinancePrincipal,
+    tenant: str | None = None,
+    start: date | None = None,
+    end: date | None = None,
+    group_by: str = "day",
+) -> Response:
+    _range(start, end)
+    ids, groups = await _scope(request, principal, tenant), _groups(group_by)
+    rows = await anyio.to_thread.run_sync(reports.costs, request.app.state.db, ids, start, end, groups)
+    return Response(
+        reports.to_csv(rows),
+        media_type="text/csv",
+        headers={"content-disposition": f'attachment; filename="switchboard-costs-{tenant or "all"}.csv"'},
+    )
+
+
+@router.get("/finance/savings")
+async def savings(
+    request: Request,
+    principal: FinancePrincipal,
+    tenant: str | None = None,
+    start: date | None = None,
+    end: date | None = None,
+) -> dict[str, Any]:
+    """Per tenant: cost, the always-large counterfactual, and the saving split by lever."""
+    _range(start, end)
+    ids = await _scope(request, principal, tenant)
+    rows = await anyio.to_thread.run_sync(reports.savings, request.app.state.db, ids, start, end)
+    return {"object": "list", "data": _json(rows)}
+
+
+@router.get("/usage")
+async def own_usage(
+    request: Request, principal: CurrentPrincipal, start: date | None = None, end: date | None = None
+) -> dict[str, Any]:
+    """The calling key's tenant's cost and tokens by day and tier; never another tenant's."""
+    _range(start, end)
+    rows = await anyio.to_thread.run_sync(
+        reports.costs, request.app.state.db, [principal.tenant_id], start, end, ("day", "tier")
+    )
+    return {"object": "list", "data": _json(rows)}

@@ -1,0 +1,119 @@
+"""Policy endpoints: read (admin or finance), write, history, rollback and dry-run (admin only).
+
+A policy that does not validate is a 422 whose `param` is the first bad field's path; every problem
+is listed in `error.details`.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+import anyio
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, Field, ValidationError
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+
+from gateway.auth import AdminPrincipal, PolicyReader, visible_tenant
+from gateway.db.models import Usage
+from gateway.errors import APIError
+from policies.dry_run import replay
+from policies.policy import Policy
+from policies.store import PolicyError
+
+router = APIRouter(prefix="/v1/admin/tenants/{tenant}/policy", tags=["policies"])
+
+
+class PolicyOut(BaseModel):
+    tenant: str
+    version: int
+    policy: Policy
+    note: str = ""
+    created_by: str = ""
+    created_at: datetime | None = None
+
+
+class Rollback(BaseModel):
+    version: int = Field(ge=0)
+
+
+class DryRunIn(BaseModel):
+    policy: dict[str, Any]
+    limit: int = Field(500, ge=1, le=10_000, description="the most recent requests to replay")
+
+
+def validate_policy(body: dict[str, Any], served: list[str]) -> Policy:
+    """The policy, or a 422 naming every bad field by its path."""
+    try:
+        policy = Policy.model_validate(body)
+    except ValidationError as exc:
+        problems = [(tuple(e["loc"]), e["msg"]) for e in exc.errors()]
+        raise _invalid(problems) from None
+    if problems := policy.check_tiers(served):
+        raise _invalid(problems)
+    return policy
+
+
+def _invalid(problems: list[tuple[tuple, str]]) -> APIError:
+    details = [{"param": ".".join(map(str, loc)) or None, "message": msg} for loc, msg in problems]
+    first = details[0]
+    more = f" (and {len(details) - 1} more)" if len(details) > 1 else ""
+    err = APIError(
+        422, f"{first['param'] or 'policy'}: {first['message']}{more}", param=first["param"], code="invalid_policy"
+    )
+    err.details = details
+    return err
+
+
+@router.get("", response_model=PolicyOut)
+async def current(tenant: str, request: Request, principal: PolicyReader) -> PolicyOut:
+    t = await anyio.to_thread.run_sync(visible_tenant, request.app.state.db, principal, tenant)
+    v = await anyio.to_thread.run_sync(request.app.state.policies.current, t.id)
+    return PolicyOut(tenant=t.name, **v.__dict__)
+
+
+@router.put("", response_model=PolicyOut)
+async def update(tenant: str, body: dict[str, Any], request: Request, principal: AdminPrincipal) -> PolicyOut:
+    t = await anyio.to_thread.run_sync(visible_tenant, request.app.state.db, principal, tenant)
+    note = str(body.pop("note", ""))[:200] if isinstance(body, dict) else ""
+    policy = validate_policy(body, list(request.app.state.pipeline.engines))
+    store = request.app.state.policies
+    try:
+        version = await anyio.to_thread.run_sync(lambda: store.save(t.id, policy, principal.actor, note))
+    except IntegrityError:
+        raise APIError(409, "The policy changed at the same moment; reload it and retry.", code="conflict") from None
+    return PolicyOut(tenant=t.name, **(await anyio.to_thread.run_sync(store.version, t.id, version)).__dict__)
+
+
+@router.get("/versions", response_model=list[PolicyOut])
+async def versions(tenant: str, request: Request, principal: PolicyReader) -> list[PolicyOut]:
+    t = await anyio.to_thread.run_sync(visible_tenant, request.app.state.db, principal, tenant)
+    rows = await anyio.to_thread.run_sync(request.app.state.policies.history, t.id)
+    return [PolicyOut(tenant=t.name, **v.__dict__) for v in rows]
+
+
+@router.post("/rollback", response_model=PolicyOut)
+async def rollback(tenant: str, body: Rollback, request: Request, principal: AdminPrincipal) -> PolicyOut:
+    t = await anyio.to_thread.run_sync(visible_tenant, request.app.state.db, principal, tenant)
+    store = request.app.state.policies
+    try:
+        version = await anyio.to_thread.run_sync(store.rollback, t.id, body.version, principal.actor)
+    except PolicyError as exc:
+        raise APIError(404, str(exc), param="version", code="version_not_found") from None
+    return PolicyOut(tenant=t.name, **(await anyio.to_thread.run_sync(store.version, t.id, version)).__dict__)
+
+
+@router.post("/dry-run")
+async def dry_run(tenant: str, body: DryRunIn, request: Request, principal: AdminPrincipal) -> dict[str, Any]:
+    """Replay the tenant's most recent requests under `policy`: what it would refuse, cap and cost."""
+    db = request.app.state.db
+    t = await anyio.to_thread.run_sync(visible_tenant, db, principal, tenant)
+    policy = validate_policy(body.policy, list(request.app.state.pipeline.engines))
+
+    def rows() -> list[Usage]:
+        with db.session() as s:
+            q = select(Usage).where(Usage.tenant_id == t.id).order_by(Usage.created_at.desc()).limit(body.limit)
+            return list(s.scalars(q))
+
+    return {"tenant": t.name, **replay(policy, await anyio.to_thread.run_sync(rows)).as_dict()}

@@ -1,0 +1,148 @@
+"""A tenant's policy: which tiers it may use, how it is routed, how sampling is capped, what it may
+spend and what each tier costs it. Validated by pydantic; stored as JSON, one row per version.
+
+Unknown fields are errors (a typo must not silently mean "no limit"); every error carries its field
+path, which the admin API and the console show.
+"""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+PER_MILLION = Decimal(1_000_000)
+# Prices per million tokens with at most 4 decimal places keep every per-token cost exact at 10 places.
+Price = Annotated[Decimal, Field(ge=0, le=1_000_000, decimal_places=4)]
+Money = Annotated[Decimal, Field(ge=0, le=10**12, decimal_places=10)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TierPrice(_Strict):
+    """USD per million tokens. Cached prompt tokens hit the KV prefix cache; draft-accepted completion
+    tokens were drafted by the small tier and only verified by this one."""
+
+    prompt: Price
+    cached_prompt: Price | None = None  # default: the prompt price
+    completion: Price
+    draft_accepted: Price | None = None  # default: the completion price
+
+    @property
+    def cached(self) -> Decimal:
+        return self.prompt if self.cached_prompt is None else self.cached_prompt
+
+    @property
+    def drafted(self) -> Decimal:
+        return self.completion if self.draft_accepted is None else self.draft_accepted
+
+
+class RouterSettings(_Strict):
+    """For the learned router: send a request to the large tier when P(small is good enough) falls
+    below `threshold`, or calibrate the threshold so `large_share` of calls go large."""
+
+    mode: Literal["threshold", "large_share"] = "threshold"
+    threshold: float = Field(0.5, ge=0.0, le=1.0)
+    large_share: float = Field(0.25, ge=0.0, le=1.0)
+
+
+class SamplingLimits(_Strict):
+    max_tokens_cap: int | None = Field(None, ge=1, description="completion tokens per choice, at most")
+    temperature_max: float | None = Field(None, ge=0.0, le=2.0)
+    top_p_max: float | None = Field(None, gt=0.0, le=1.0)
+    default_stop: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list, max_length=16)
+
+
+class CacheSettings(_Strict):
+    enabled: bool = True
+    ttl_seconds: int = Field(3600, ge=1)
+    max_entries: int = Field(10_000, ge=0)
+    semantic: bool = False
+    semantic_threshold: float = Field(0.95, gt=0.0, le=1.0)
+
+
+class VerifierSettings(_Strict):
+    enabled: list[str] = Field(default_factory=list)
+    every_n_tokens: int = Field(16, ge=1)
+    cascade: bool = False  # escalate a failed small-tier answer to the large tier
+
+
+class RateLimits(_Strict):
+    """Per minute; None means no limit."""
+
+    key_rpm: int | None = Field(None, ge=1)
+    key_tpm: int | None = Field(None, ge=1)
+    tenant_rpm: int | None = Field(None, ge=1)
+    tenant_tpm: int | None = Field(None, ge=1)
+
+
+class Budget(_Strict):
+    period: Literal["daily", "monthly"]
+    money: Money | None = Field(None, description="USD in the period")
+    tokens: int | None = Field(None, ge=0, description="prompt + completion tokens in the period")
+    hard: bool = True  # hard: refuse requests that could exceed it; soft: only report
+
+    @model_validator(mode="after")
+    def _something(self) -> Budget:
+        if self.money is None and self.tokens is None:
+            raise ValueError("a budget needs `money`, `tokens` or both")
+        return self
+
+
+DEFAULT_PRICES = {
+    "small": TierPrice(prompt=Decimal("0.10"), cached_prompt=Decimal("0.01"), completion=Decimal("0.40")),
+    "large": TierPrice(
+        prompt=Decimal("0.50"),
+        cached_prompt=Decimal("0.05"),
+        completion=Decimal("2.00"),
+        draft_accepted=Decimal("1.00"),
+    ),
+}
+
+
+class Policy(_Strict):
+    allowed_tiers: list[str] | None = Field(None, description="None: every tier the gateway serves")
+    router: RouterSettings = Field(default_factory=RouterSettings)
+    sampling: SamplingLimits = Field(default_factory=SamplingLimits)
+    cache: CacheSettings = Field(default_factory=CacheSettings)
+    verifiers: VerifierSettings = Field(default_factory=VerifierSettings)
+    rate_limits: RateLimits = Field(default_factory=RateLimits)
+    budgets: list[Budget] = Field(default_factory=list, max_length=8)
+    prices: dict[str, TierPrice] = Field(default_factory=lambda: dict(DEFAULT_PRICES))
+    counterfactual_tier: str = Field("large", description="what every request is compared against")
+
+    @field_validator("budgets")
+    @classmethod
+    def _one_per_period(cls, budgets: list[Budget]) -> list[Budget]:
+        periods = [b.period for b in budgets]
+        if len(set(periods)) != len(periods):
+            raise ValueError("at most one budget per period")
+        return budgets
+
+    @model_validator(mode="after")
+    def _priced(self) -> Policy:
+        if self.allowed_tiers is not None:
+            missing = [t for t in self.allowed_tiers if t not in self.prices]
+            if missing:
+                raise ValueError(f"allowed tiers without a price: {', '.join(missing)}")
+        if self.counterfactual_tier not in self.prices:
+            raise ValueError(f"counterfactual_tier {self.counterfactual_tier!r} has no price")
+        return self
+
+    def allows(self, tier: str) -> bool:
+        return self.allowed_tiers is None or tier in self.allowed_tiers
+
+    def price(self, tier: str) -> TierPrice:
+        """A tier without a price of its own costs what the counterfactual tier costs (never free)."""
+        return self.prices.get(tier) or self.prices[self.counterfactual_tier]
+
+    def check_tiers(self, served: list[str]) -> list[tuple[tuple[str | int, ...], str]]:
+        """(field path, message) for every tier named here that the gateway does not serve."""
+        problems: list[tuple[tuple[str | int, ...], str]] = []
+        for i, t in enumerate(self.allowed_tiers or []):
+            if t not in served:
+                problems.append((("allowed_tiers", i), f"no tier named {t!r}; served: {', '.join(served)}"))
+        return problems

@@ -1,0 +1,85 @@
+"""What a request costs and what it saved, in `Decimal` from tokens to dollars.
+
+Every request is compared with the counterfactual of serving it on the large tier with no cache,
+no speculation and no policy cap. The difference splits exactly into levers:
+
+    counterfactual − cost = routing + cache + speculation + policy + verifier
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from decimal import Decimal
+
+from policies.policy import PER_MILLION, Policy
+
+UNITS = 10**10  # integer money units (1e-10 USD) for counters that must add exactly
+ZERO = Decimal(0)
+
+
+@dataclass(frozen=True)
+class Tokens:
+    prompt: int
+    completion: int
+    cached_prompt: int = 0  # prompt tokens found in the KV prefix cache
+    draft_accepted: int = 0  # completion tokens drafted by a smaller tier and verified by this one
+    policy_cut: int = 0  # completion tokens a policy cap stopped (estimated from requests cut at the cap)
+    verifier_cut: int = 0  # completion tokens a verifier's early stop saved
+    cache_hit: bool = False  # answered from the response cache: nothing ran
+
+
+@dataclass(frozen=True)
+class Charge:
+    cost: Decimal
+    counterfactual: Decimal
+    saved_routing: Decimal = ZERO
+    saved_cache: Decimal = ZERO
+    saved_speculation: Decimal = ZERO
+    saved_policy: Decimal = ZERO
+    saved_verifier: Decimal = ZERO
+
+    @property
+    def saved(self) -> Decimal:
+        return self.counterfactual - self.cost
+
+
+def charge(policy: Policy, tier: str, t: Tokens) -> Charge:
+    p, large = policy.price(tier), policy.price(policy.counterfactual_tier)
+    full_completion = t.completion + t.policy_cut + t.verifier_cut
+    counterfactual = (t.prompt * large.prompt + full_completion * large.completion) / PER_MILLION
+    if t.cache_hit:
+        return Charge(cost=ZERO, counterfactual=counterfactual, saved_cache=counterfactual)
+    cost = (
+        (t.prompt - t.cached_prompt) * p.prompt
+        + t.cached_prompt * p.cached
+        + (t.completion - t.draft_accepted) * p.completion
+        + t.draft_accepted * p.drafted
+    ) / PER_MILLION
+    at_large = (t.prompt * large.prompt + t.completion * large.completion) / PER_MILLION
+    at_tier = (t.prompt * p.prompt + t.completion * p.completion) / PER_MILLION
+    return Charge(
+        cost=cost,
+        counterfactual=counterfactual,
+        saved_routing=at_large - at_tier,
+        saved_cache=t.cached_prompt * (p.prompt - p.cached) / PER_MILLION,
+        saved_speculation=t.draft_accepted * (p.completion - p.drafted) / PER_MILLION,
+        saved_policy=t.policy_cut * large.completion / PER_MILLION,
+        saved_verifier=t.verifier_cut * large.completion / PER_MILLION,
+    )
+
+
+def worst_case(policy: Policy, tier: str, prompt_tokens: int, completion_tokens: int) -> Decimal:
+    """The most a request can cost: every prompt token uncached, every completion token generated."""
+    p = policy.price(tier)
+    return (prompt_tokens * p.prompt + completion_tokens * p.completion) / PER_MILLION
+
+
+def to_units(amount: Decimal) -> int:
+    units = amount * UNITS
+    if units != units.to_integral_value():
+        raise ValueError(f"{amount} has more than 10 decimal places")
+    return int(units)
+
+
+def from_units(units: int) -> Decimal:
+    return Decimal(units) / UNITS

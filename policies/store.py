@@ -1,0 +1,117 @@
+"""Policies in SQL, one immutable row per version, cached in-process.
+
+The highest version is in force; a tenant with none runs the built-in default (version 0). Saving
+and rolling back both write a new version and an audit row in one transaction. The cache is dropped
+for a tenant the moment this process changes its policy, and re-checked against SQL every
+`ttl` seconds so other gateway replicas pick up a change within that.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from gateway import audit
+from gateway.db.database import Database
+from gateway.db.models import PolicyVersion
+from policies.policy import Policy
+
+DEFAULT = Policy()
+
+
+class PolicyError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Versioned:
+    version: int
+    policy: Policy
+    note: str = ""
+    created_by: str = ""
+    created_at: datetime | None = None
+
+
+class PolicyStore:
+    def __init__(self, db: Database, ttl: float = 1.0) -> None:
+        self.db = db
+        self.ttl = ttl
+        self._cache: dict[int, tuple[float, Versioned]] = {}
+        self._lock = threading.Lock()
+
+    def current(self, tenant_id: int) -> Versioned:
+        now = time.monotonic()
+        hit = self._cache.get(tenant_id)
+        if hit is not None and now - hit[0] < self.ttl:
+            return hit[1]
+        with self.db.session() as s:
+            row = s.scalar(
+                select(PolicyVersion)
+                .where(PolicyVersion.tenant_id == tenant_id)
+                .order_by(PolicyVersion.version.desc())
+                .limit(1)
+            )
+        found = Versioned(0, DEFAULT) if row is None else _versioned(row)
+        with self._lock:
+            self._cache[tenant_id] = (now, found)
+        return found
+
+    def save(self, tenant_id: int, policy: Policy, actor: str, note: str = "", action: str = "policy.update") -> int:
+        with self.db.session() as s:
+            before = self._latest(s, tenant_id)
+            version = (before.version if before else 0) + 1
+            body = policy.model_dump(mode="json")
+            s.add(PolicyVersion(tenant_id=tenant_id, version=version, body=body, note=note[:200], created_by=actor))
+            audit.record(
+                s,
+                actor,
+                action,
+                f"policy v{version}",
+                tenant_id=tenant_id,
+                before=before.body if before else DEFAULT.model_dump(mode="json"),
+                after=body,
+            )
+        self.invalidate(tenant_id)
+        return version
+
+    def rollback(self, tenant_id: int, version: int, actor: str) -> int:
+        target = self.version(tenant_id, version)
+        return self.save(tenant_id, target.policy, actor, note=f"rollback to v{version}", action="policy.rollback")
+
+    def version(self, tenant_id: int, version: int) -> Versioned:
+        if version == 0:
+            return Versioned(0, DEFAULT, note="built-in default")
+        with self.db.session() as s:
+            row = s.scalar(
+                select(PolicyVersion).where(PolicyVersion.tenant_id == tenant_id, PolicyVersion.version == version)
+            )
+        if row is None:
+            raise PolicyError(f"no policy version {version}")
+        return _versioned(row)
+
+    def history(self, tenant_id: int) -> list[Versioned]:
+        with self.db.session() as s:
+            rows = s.scalars(
+                select(PolicyVersion).where(PolicyVersion.tenant_id == tenant_id).order_by(PolicyVersion.version.desc())
+            )
+            return [_versioned(r) for r in rows]
+
+    def invalidate(self, tenant_id: int) -> None:
+        with self._lock:
+            self._cache.pop(tenant_id, None)
+
+    @staticmethod
+    def _latest(s: Session, tenant_id: int) -> PolicyVersion | None:
+        top = s.scalar(select(func.max(PolicyVersion.version)).where(PolicyVersion.tenant_id == tenant_id))
+        if top is None:
+            return None
+        return s.scalar(select(PolicyVersion).where(PolicyVersion.tenant_id == tenant_id, PolicyVersion.version == top))
+
+
+def _versioned(row: PolicyVersion) -> Versioned:
+    return Versioned(row.version, Policy.model_validate(row.body), row.note, row.created_by, row.created_at)
