@@ -124,10 +124,11 @@ class Budgets:
         day = day or datetime.now(UTC).date()
         window, _, _ = period_window(period, day)
         keys = [self.spend_key(tenant_id, period, window, u) for u in ("money", "tokens")]
-        if any([await self.counters.get(k) is None for k in keys]):
+        values = [await self.counters.get(k) for k in keys]
+        if None in values:
             await self._seed(keys, tenant_id, day)
-        money, tokens = (await self.counters.get(k) or 0 for k in keys)
-        return from_units(money), tokens
+            values = [await self.counters.get(k) for k in keys]
+        return from_units(values[0] or 0), values[1] or 0
 
     async def reconcile(self, stale_after: float = 3600.0) -> int:
         """Rewrite every spend counter of the current day and month as SQL's total plus the

@@ -98,8 +98,12 @@ def _record(items: list[Item]) -> str:
 
 
 class RedisCounters:
-    def __init__(self, url: str, namespace: str = "sb") -> None:
-        self.redis = aioredis.Redis.from_url(url, decode_responses=True)
+    def __init__(self, url: str, namespace: str = "sb", max_connections: int = 64) -> None:
+        # A blocking pool: a burst of requests waits for a connection instead of failing with "Too many".
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=30, decode_responses=True
+        )
+        self.redis = aioredis.Redis(connection_pool=pool)
         self.namespace = namespace
         self._reserve = self.redis.register_script(_RESERVE)
         self._settle = self.redis.register_script(_SETTLE)

@@ -97,6 +97,27 @@ def database(database_url: str) -> Iterator:
     db.dispose()
 
 
+@pytest.fixture(scope="session")
+def redis_server() -> str:
+    """The local Redis (or a throwaway one); tests keep apart by key namespace, never by flushing."""
+    return services.redis_url()
+
+
+@pytest.fixture
+def redis_namespace() -> Iterator[str]:
+    import uuid
+
+    ns = f"sbtest-{uuid.uuid4().hex[:10]}"
+    yield ns
+    import redis
+
+    client = redis.Redis.from_url(services.redis_url())
+    keys = list(client.scan_iter(f"{ns}:*", count=1000))
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
 # --- engines and live servers ------------------------------------------------------------------------
 
 
