@@ -7,6 +7,9 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
+from datetime import UTC, datetime
+from decimal import Decimal
 from pathlib import Path
 
 import httpx
@@ -70,7 +73,7 @@ def test_serve_answers_the_openai_client(home_env: dict[str, str], tmp_path: Pat
 def test_tenant_and_key_commands(home_env: dict[str, str], postgres_url: str) -> None:
     for env in (home_env, {**home_env, "SWITCHBOARD_DATABASE_URL": postgres_url}):
         upgraded = cli(env, "db", "upgrade")
-        assert upgraded.returncode == 0 and "revision 0001" in upgraded.stderr
+        assert upgraded.returncode == 0 and "revision 0002" in upgraded.stderr
         first = cli(env, "tenant", "create", "acme")
         assert first.returncode == 0 and first.stdout.startswith("sk-sb-")
         again = cli(env, "tenant", "create", "acme")
@@ -81,6 +84,34 @@ def test_tenant_and_key_commands(home_env: dict[str, str], postgres_url: str) ->
         assert revoked.returncode == 0
         missing = cli(env, "key", "revoke", "sk-sb-nothing-like-this")
         assert missing.returncode == 1 and "no key" in missing.stderr
+        ops = cli(env, "tenant", "create", "ops", "--operator", "--role", "admin")
+        assert ops.returncode == 0 and "operator tenant ops; its admin key" in ops.stderr
+
+
+def test_budgets_reconcile_rewrites_counters_from_the_ledger(
+    home_env: dict[str, str], redis_server: str, redis_namespace: str
+) -> None:
+    import redis
+
+    from gateway.db.database import Database
+    from gateway.ledger import Ledger, UsageRecord
+    from gateway.settings import Settings
+    from gateway.tenants import authenticate, create_tenant
+
+    env = {**home_env, "SWITCHBOARD_REDIS_URL": redis_server, "SWITCHBOARD_REDIS_NAMESPACE": redis_namespace}
+    db = Database(Settings(home=Path(home_env["SWITCHBOARD_HOME"])).database)
+    db.upgrade()
+    who = authenticate(db, create_tenant(db, "acme").key)
+    rec = UsageRecord("r1", who.tenant_id, who.key_id, "completions", "m", "small", 10, 5, 1, "ok", "stop")
+    Ledger(db, Path(home_env["SWITCHBOARD_HOME"]) / "spool").record(replace(rec, cost=Decimal("0.125")))
+    done = cli(env, "budgets", "reconcile")
+    assert done.returncode == 0 and "rewrote 4 spend counters" in done.stderr, done.stderr
+    r = redis.Redis.from_url(redis_server)
+    day = datetime.now(UTC).date()
+    money = r.get(f"{redis_namespace}:spend:{who.tenant_id}:daily:{day.isoformat()}:money")
+    tokens = r.get(f"{redis_namespace}:spend:{who.tenant_id}:monthly:{day.strftime('%Y-%m')}:tokens")
+    assert (int(money), int(tokens)) == (1_250_000_000, 15)  # $0.125 in 1e-10 units; 10 + 5 tokens
+    db.dispose()
 
 
 def test_models_list_and_bad_settings(home_env: dict[str, str], tmp_path: Path) -> None:
