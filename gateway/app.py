@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -14,6 +15,7 @@ from gateway import errors
 from gateway.api import admin, finance, health, openai
 from gateway.api import policies as policy_api
 from gateway.body_limit import BodySizeLimit
+from gateway.console import pages as console
 from gateway.db.database import Database
 from gateway.ledger import Ledger
 from gateway.pipeline import Pipeline
@@ -76,10 +78,13 @@ def create_app(
     )
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
     app.state.settings = settings
+    # A random secret signs out every console session on restart; set `console_secret` to keep them.
+    app.state.console_secret = settings.console_secret or secrets.token_urlsafe(32)
     errors.install(app)
     app.include_router(openai.router)
     app.include_router(admin.router)
     app.include_router(policy_api.router)
     app.include_router(finance.router)
     app.include_router(health.router)
+    app.include_router(console.router)
     return app

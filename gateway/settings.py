@@ -90,6 +90,9 @@ class Settings(BaseSettings):
     auto_fetch: bool = Field(True, description="fetch registry models the tiers need on start")
     auto_migrate: bool = Field(True, description="bring the database schema up to date on start")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    console_secret: str | None = Field(
+        None, description="signs web console sessions; default: random per process (a restart signs everyone out)"
+    )
     prefix_cache_scope: Literal["tenant", "shared"] = Field(
         "tenant", description="tenant: cached prompt prefixes are reused only within a tenant"
     )

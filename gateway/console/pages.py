@@ -1,0 +1,540 @@
+"""The console's pages: sign in with an admin or finance key, then manage tenants, keys and policies,
+read the audit log, and see costs and savings.
+
+A session is a cookie holding `key_id.expiry.signature` (HMAC-SHA256 under the server's console
+secret); the key itself never leaves the sign-in form. Every request re-reads the key by id, so
+revoking it ends its sessions at once. Every form posts a CSRF token, an HMAC of the session token
+(of a random sign-in cookie for the sign-in form), on top of the cookie's SameSite=Strict.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from datetime import date
+from pathlib import Path
+from typing import Annotated, Any
+from urllib.parse import parse_qsl, quote, urlencode
+
+import anyio
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, RedirectResponse
+from fastapi.routing import APIRoute
+from fastapi.templating import Jinja2Templates
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+
+from gateway import audit, reports
+from gateway.api.policies import validate_policy
+from gateway.auth import visible_tenant
+from gateway.console.chart import cost_chart, usd
+from gateway.db.database import Database
+from gateway.db.models import ApiKey, Tenant
+from gateway.errors import APIError
+from gateway.tenants import (
+    ROLES,
+    Principal,
+    TenantError,
+    authenticate,
+    create_key,
+    create_tenant,
+    list_keys,
+    list_tenants,
+    revoke_key,
+)
+from policies.store import PolicyError
+
+HERE = Path(__file__).resolve().parent
+SESSION_COOKIE = "sb_console"
+LOGIN_COOKIE = "sb_console_login"  # a random nonce that the sign-in form's CSRF token is bound to
+SESSION_SECONDS = 8 * 3600
+CONSOLE_ROLES = ("admin", "finance")
+AUDIT_LIMIT = 200
+# No scripts at all, styles only from our own stylesheet; forms post only back to us; never framed.
+HEADERS = {
+    "content-security-policy": "default-src 'none'; style-src 'self'; img-src 'self'; form-action 'self'; "
+    "frame-ancestors 'none'; base-uri 'none'",
+    "x-content-type-options": "nosniff",
+    "referrer-policy": "same-origin",
+    "cache-control": "no-store",
+}
+
+templates = Jinja2Templates(directory=HERE / "templates")
+templates.env.filters["usd"] = usd
+
+
+class _SignIn(Exception):
+    """No valid session: send the browser to the sign-in page."""
+
+
+class _PageRoute(APIRoute):
+    """Console routes answer in HTML: errors become a page (not OpenAI-shaped JSON), a missing
+    session becomes a redirect, and every answer carries the security headers."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def page(request: Request) -> Response:
+            try:
+                response = await handler(request)
+            except _SignIn:
+                response = RedirectResponse("/console/login", status_code=303)
+            except APIError as exc:
+                response = _page(request, "error.html", exc.status, message=exc.message)
+            except RequestValidationError:
+                response = _page(request, "error.html", 422, message="That address has a malformed parameter.")
+            for k, v in HEADERS.items():
+                response.headers.setdefault(k, v)
+            return response
+
+        return page
+
+
+router = APIRouter(prefix="/console", route_class=_PageRoute, include_in_schema=False)
+
+
+# --- sessions ------------------------------------------------------------------------------------------
+
+
+def _secret(request: Request) -> bytes:
+    return request.app.state.console_secret.encode()
+
+
+def _sign(secret: bytes, purpose: str, message: str) -> str:
+    # The purpose keeps a signature made for one use (a session) from passing as another (a CSRF token).
+    return hmac.new(secret, f"{purpose}:{message}".encode(), hashlib.sha256).hexdigest()
+
+
+def _same(a: str, b: str) -> bool:
+    return hmac.compare_digest(a.encode(), b.encode())
+
+
+def session_token(secret: bytes, key_id: int, now: float | None = None) -> str:
+    body = f"{key_id}.{int((now or time.time()) + SESSION_SECONDS)}"
+    return f"{body}.{_sign(secret, 'session', body)}"
+
+
+def session_key_id(secret: bytes, token: str, now: float | None = None) -> int | None:
+    """The key id a well-signed, unexpired token names; None for anything else."""
+    key_id, _, rest = token.partition(".")
+    expiry, _, signature = rest.partition(".")
+    if _int(key_id) is None or _int(expiry) is None:
+        return None
+    if not _same(signature, _sign(secret, "session", f"{key_id}.{expiry}")):
+        return None
+    return int(key_id) if int(expiry) > (now or time.time()) else None
+
+
+def csrf_token(secret: bytes, session: str) -> str:
+    return _sign(secret, "csrf", session)
+
+
+def principal_by_key_id(db: Database, key_id: int) -> Principal | None:
+    """The principal of a live (not revoked) admin or finance key, by id."""
+    with db.session() as s:
+        row = s.execute(
+            select(ApiKey, Tenant).join(Tenant, Tenant.id == ApiKey.tenant_id).where(ApiKey.id == key_id)
+        ).first()
+    if row is None:
+        return None
+    key, tenant = row
+    if key.revoked_at is not None or key.role not in CONSOLE_ROLES:
+        return None
+    return Principal(tenant.id, tenant.name, key.id, key.prefix, key.role, tenant.is_operator)
+
+
+def _set_cookie(request: Request, response: Response, name: str, value: str, max_age: int) -> None:
+    response.set_cookie(
+        name,
+        value,
+        max_age=max_age,
+        path="/console",
+        httponly=True,
+        samesite="strict",
+        secure=request.url.scheme == "https",
+    )
+
+
+async def _signed_in(request: Request) -> Principal:
+    token = request.cookies.get(SESSION_COOKIE, "")
+    key_id = session_key_id(_secret(request), token) if token else None
+    principal = None
+    if key_id is not None:
+        principal = await anyio.to_thread.run_sync(principal_by_key_id, request.app.state.db, key_id)
+    if principal is None:
+        raise _SignIn
+    request.state.principal = principal
+    request.state.csrf = csrf_token(_secret(request), token)
+    return principal
+
+
+SignedIn = Annotated[Principal, Depends(_signed_in)]
+
+
+def _role(role: str) -> Callable[[Principal], Awaitable[Principal]]:
+    async def check(principal: SignedIn) -> Principal:
+        if principal.role != role:
+            raise APIError(
+                403, f"This page needs a key with the {role} role; you signed in with a {principal.role} key."
+            )
+        return principal
+
+    return check
+
+
+AdminUser = Annotated[Principal, Depends(_role("admin"))]
+FinanceUser = Annotated[Principal, Depends(_role("finance"))]
+
+
+async def _form(request: Request) -> dict[str, str]:
+    """A urlencoded form body (what a browser's form posts; no multipart library needed)."""
+    body = (await request.body()).decode("utf-8", "replace")
+    return dict(parse_qsl(body, keep_blank_values=True))
+
+
+async def _posted(request: Request, _: SignedIn) -> dict[str, str]:
+    form = await _form(request)
+    if not _same(form.get("csrf", ""), request.state.csrf):
+        raise APIError(403, "The form's security token is missing or stale; reload the page and try again.")
+    return form
+
+
+Posted = Annotated[dict[str, str], Depends(_posted)]
+
+
+# --- helpers -------------------------------------------------------------------------------------------
+
+
+def _page(request: Request, template: str, status: int = 200, /, **context: Any) -> Response:
+    base = {
+        "me": getattr(request.state, "principal", None),
+        "csrf": getattr(request.state, "csrf", ""),
+        "status": status,
+    }
+    return templates.TemplateResponse(request, template, {**base, **context}, status_code=status)
+
+
+def _redirect(path: str, **query: Any) -> RedirectResponse:
+    params = {k: v for k, v in query.items() if v not in (None, "")}
+    return RedirectResponse(path + (f"?{urlencode(params)}" if params else ""), status_code=303)
+
+
+def _tenant_url(name: str, suffix: str = "") -> str:
+    return f"/console/tenants/{quote(name, safe='')}{suffix}"
+
+
+async def _visible(request: Request, principal: Principal, name: str) -> Tenant:
+    return await anyio.to_thread.run_sync(visible_tenant, request.app.state.db, principal, name)
+
+
+def _int(value: str | None) -> int | None:
+    """A small non-negative integer, or None: str.isdigit alone lets "²" and 5,000-digit strings through."""
+    return int(value) if value and len(value) <= 18 and value.isascii() and value.isdigit() else None
+
+
+# --- sign in and out -----------------------------------------------------------------------------------
+
+
+@router.get("/static/console.css")
+async def stylesheet() -> FileResponse:
+    return FileResponse(
+        HERE / "static" / "console.css", media_type="text/css", headers={"cache-control": "max-age=3600"}
+    )
+
+
+def _login_page(request: Request, error: str | None = None, status: int = 200) -> Response:
+    nonce = secrets.token_urlsafe(16)
+    response = _page(request, "login.html", status, error=error, csrf=_sign(_secret(request), "login", nonce), me=None)
+    _set_cookie(request, response, LOGIN_COOKIE, nonce, 3600)
+    return response
+
+
+@router.get("/login")
+async def login_form(request: Request) -> Response:
+    return _login_page(request)
+
+
+@router.post("/login")
+async def login(request: Request) -> Response:
+    form = await _form(request)
+    nonce = request.cookies.get(LOGIN_COOKIE, "")
+    if not nonce or not _same(form.get("csrf", ""), _sign(_secret(request), "login", nonce)):
+        return _login_page(request, "The sign-in form expired; please try again.", 403)
+    principal = await anyio.to_thread.run_sync(authenticate, request.app.state.db, form.get("key", "").strip())
+    if principal is None:
+        return _login_page(request, "That key is not valid (or was revoked).", 401)
+    if principal.role not in CONSOLE_ROLES:
+        return _login_page(request, f"Only admin and finance keys can sign in; that is an {principal.role} key.", 403)
+    response = RedirectResponse("/console", status_code=303)
+    _set_cookie(request, response, SESSION_COOKIE, session_token(_secret(request), principal.key_id), SESSION_SECONDS)
+    response.delete_cookie(LOGIN_COOKIE, path="/console")
+    return response
+
+
+@router.post("/logout")
+async def logout(_: Posted) -> Response:
+    response = RedirectResponse("/console/login", status_code=303)
+    response.delete_cookie(SESSION_COOKIE, path="/console", httponly=True, samesite="strict")
+    return response
+
+
+@router.get("")
+async def home(request: Request, _: SignedIn) -> Response:
+    return _page(request, "home.html")
+
+
+# --- admin: tenants and keys ---------------------------------------------------------------------------
+
+
+async def _tenants_page(request: Request, principal: Principal, status: int = 200, **context: Any) -> Response:
+    only = None if principal.operator else principal.tenant_id
+    rows = await anyio.to_thread.run_sync(list_tenants, request.app.state.db, only)
+    return _page(request, "tenants.html", status, tenants=rows, **context)
+
+
+@router.get("/tenants")
+async def tenants(request: Request, principal: AdminUser) -> Response:
+    return await _tenants_page(request, principal)
+
+
+@router.post("/tenants")
+async def new_tenant(request: Request, principal: AdminUser, form: Posted) -> Response:
+    if not principal.operator:
+        raise APIError(403, "Only the operator's admin keys create tenants.")
+    name, operator = form.get("name", "").strip(), form.get("operator") == "on"
+    try:
+        issued = await anyio.to_thread.run_sync(
+            lambda: create_tenant(request.app.state.db, name, operator=operator, actor=principal.actor)
+        )
+    except TenantError as exc:
+        return await _tenants_page(request, principal, 422, error=str(exc), name=name)
+    # Rendered, not redirected: the new key is shown this once and must not end up in a URL.
+    return await _tenants_page(request, principal, 201, issued=issued)
+
+
+async def _tenant_page(request: Request, tenant: Tenant, status: int = 200, **context: Any) -> Response:
+    keys = await anyio.to_thread.run_sync(list_keys, request.app.state.db, tenant.id)
+    revoked = request.query_params.get("revoked")
+    if not any(k.prefix == revoked and k.revoked_at is not None for k in keys):
+        revoked = None  # only ever echo a prefix that names a key this page lists
+    return _page(request, "tenant.html", status, tenant=tenant, keys=keys, roles=ROLES, revoked=revoked, **context)
+
+
+@router.get("/tenants/{name}")
+async def tenant(name: str, request: Request, principal: AdminUser) -> Response:
+    return await _tenant_page(request, await _visible(request, principal, name))
+
+
+@router.post("/tenants/{name}/keys")
+async def new_key(name: str, request: Request, principal: AdminUser, form: Posted) -> Response:
+    t = await _visible(request, principal, name)
+    role = form.get("role", "")
+    if role not in ROLES:
+        return await _tenant_page(request, t, 422, error=f"role must be one of {', '.join(ROLES)}")
+    issued = await anyio.to_thread.run_sync(
+        lambda: create_key(request.app.state.db, t.name, role, actor=principal.actor)
+    )
+    return await _tenant_page(request, t, 201, issued=issued)
+
+
+@router.post("/tenants/{name}/keys/revoke")
+async def revoke(name: str, request: Request, principal: AdminUser, form: Posted) -> Response:
+    t = await _visible(request, principal, name)
+    prefix = form.get("prefix", "")
+    try:
+        await anyio.to_thread.run_sync(
+            lambda: revoke_key(request.app.state.db, prefix, actor=principal.actor, tenant_id=t.id)
+        )
+    except TenantError as exc:
+        raise APIError(404, str(exc)) from None
+    return _redirect(_tenant_url(t.name), revoked=prefix)
+
+
+# --- admin: policies -----------------------------------------------------------------------------------
+
+
+async def _policy_page(
+    request: Request, tenant: Tenant, text: str | None = None, status: int = 200, **context: Any
+) -> Response:
+    store = request.app.state.policies
+    current = await anyio.to_thread.run_sync(store.current, tenant.id)
+    history = await anyio.to_thread.run_sync(store.history, tenant.id)
+    if text is None:
+        text = json.dumps(current.policy.model_dump(mode="json"), indent=2)
+    return _page(
+        request,
+        "policy.html",
+        status,
+        tenant=tenant,
+        current=current,
+        history=history,
+        text=text,
+        served=list(request.app.state.pipeline.engines),
+        saved=_int(request.query_params.get("saved")),
+        **context,
+    )
+
+
+@router.get("/tenants/{name}/policy")
+async def policy(name: str, request: Request, principal: AdminUser) -> Response:
+    return await _policy_page(request, await _visible(request, principal, name))
+
+
+@router.post("/tenants/{name}/policy")
+async def save_policy(name: str, request: Request, principal: AdminUser, form: Posted) -> Response:
+    t = await _visible(request, principal, name)
+    text, note = form.get("policy", ""), form.get("note", "").strip()[:200]
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as exc:
+        problem = {"param": f"line {exc.lineno}, column {exc.colno}", "message": exc.msg}
+        return await _policy_page(request, t, text, 422, errors=[problem], note=note)
+    if not isinstance(body, dict):
+        return await _policy_page(request, t, text, 422, errors=[{"param": None, "message": "must be a JSON object"}])
+    try:
+        validated = validate_policy(body, list(request.app.state.pipeline.engines))
+    except APIError as exc:
+        errors = exc.details or [{"param": exc.param, "message": exc.message}]
+        return await _policy_page(request, t, text, exc.status, errors=errors, note=note)
+    store = request.app.state.policies
+    try:
+        version = await anyio.to_thread.run_sync(lambda: store.save(t.id, validated, principal.actor, note))
+    except IntegrityError:
+        problem = {"param": None, "message": "The policy changed at the same moment; reload it and retry."}
+        return await _policy_page(request, t, text, 409, errors=[problem], note=note)
+    return _redirect(_tenant_url(t.name, "/policy"), saved=version)
+
+
+@router.post("/tenants/{name}/policy/rollback")
+async def rollback(name: str, request: Request, principal: AdminUser, form: Posted) -> Response:
+    t = await _visible(request, principal, name)
+    version = _int(form.get("version"))
+    store = request.app.state.policies
+    try:
+        if version is None:
+            raise PolicyError("no version given")
+        saved = await anyio.to_thread.run_sync(store.rollback, t.id, version, principal.actor)
+    except (PolicyError, IntegrityError) as exc:
+        return await _policy_page(request, t, None, 409, errors=[{"param": "version", "message": str(exc)}])
+    return _redirect(_tenant_url(t.name, "/policy"), saved=saved)
+
+
+# --- admin: audit log ----------------------------------------------------------------------------------
+
+
+def changes(before: dict | None, after: dict | None, limit: int = 8) -> list[tuple[str, str, str]]:
+    """(path, before, after) for every changed leaf of nested objects: a policy edit reads as
+    `sampling.max_tokens_cap: null → 256`, not as two whole policies."""
+
+    def flat(d: dict | None, prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in (d or {}).items():
+            if isinstance(v, dict) and v:
+                out.update(flat(v, f"{prefix}{k}."))
+            else:
+                out[f"{prefix}{k}"] = v
+        return out
+
+    def show(v: Any) -> str:
+        s = "—" if v is _ABSENT else json.dumps(v, separators=(",", ":"), default=str)
+        return s if len(s) <= 60 else s[:57] + "…"
+
+    b, a = flat(before), flat(after)
+    paths = [p for p in dict.fromkeys([*b, *a]) if b.get(p, _ABSENT) != a.get(p, _ABSENT)]
+    out = [(p, show(b.get(p, _ABSENT)), show(a.get(p, _ABSENT))) for p in paths[:limit]]
+    if len(paths) > limit:
+        out.append((f"… {len(paths) - limit} more", "", ""))
+    return out
+
+
+_ABSENT = object()
+
+
+@router.get("/audit")
+async def audit_log(request: Request, principal: AdminUser, tenant: str | None = None) -> Response:
+    db = request.app.state.db
+    if tenant:
+        tenant_id: int | None = (await _visible(request, principal, tenant)).id
+    else:
+        tenant_id = None if principal.operator else principal.tenant_id
+    rows = await anyio.to_thread.run_sync(audit.entries, db, tenant_id, AUDIT_LIMIT)
+    visible = await anyio.to_thread.run_sync(list_tenants, db, None if principal.operator else principal.tenant_id)
+    names = {t.id: t.name for t in visible}
+    entries = [(e, names.get(e.tenant_id, ""), changes(e.before, e.after)) for e in rows]
+    return _page(request, "audit.html", entries=entries, tenants=visible, selected=tenant or "", limit=AUDIT_LIMIT)
+
+
+# --- finance -------------------------------------------------------------------------------------------
+
+
+def _date(value: str | None, name: str) -> date | None:
+    if not value:
+        return None
+    try:
+        return date.fromisoformat(value)
+    except ValueError:
+        raise APIError(422, f"{name} must be a date like 2025-01-31.") from None
+
+
+async def _finance_scope(
+    request: Request, principal: Principal, tenant: str | None, start: str | None, end: str | None
+) -> tuple[list[int] | None, date | None, date | None]:
+    first, last = _date(start, "start"), _date(end, "end")
+    if first and last and first > last:
+        raise APIError(422, "start must not be after end.")
+    if tenant:
+        return [(await _visible(request, principal, tenant)).id], first, last
+    return (None if principal.operator else [principal.tenant_id]), first, last
+
+
+@router.get("/finance")
+async def finance(
+    request: Request,
+    principal: FinanceUser,
+    tenant: str | None = None,
+    start: str | None = None,
+    end: str | None = None,
+) -> Response:
+    db = request.app.state.db
+    ids, first, last = await _finance_scope(request, principal, tenant, start, end)
+    costs = await anyio.to_thread.run_sync(reports.costs, db, ids, first, last, ("day", "tier"))
+    savings = await anyio.to_thread.run_sync(reports.savings, db, ids, first, last)
+    visible = await anyio.to_thread.run_sync(list_tenants, db, None if principal.operator else principal.tenant_id)
+    query = {k: v for k, v in (("tenant", tenant), ("start", start), ("end", end)) if v}
+    return _page(
+        request,
+        "finance.html",
+        tenants=visible,
+        selected=tenant or "",
+        start=start or "",
+        end=end or "",
+        costs=costs,
+        savings=savings,
+        levers=reports.LEVERS,
+        chart=cost_chart(costs),
+        csv_url="/console/finance.csv" + (f"?{urlencode(query)}" if query else ""),
+    )
+
+
+@router.get("/finance.csv")
+async def finance_csv(
+    request: Request,
+    principal: FinanceUser,
+    tenant: str | None = None,
+    start: str | None = None,
+    end: str | None = None,
+) -> Response:
+    ids, first, last = await _finance_scope(request, principal, tenant, start, end)
+    rows = await anyio.to_thread.run_sync(
+        reports.costs, request.app.state.db, ids, first, last, ("day", "tier", "model")
+    )
+    return Response(
+        reports.to_csv(rows),
+        media_type="text/csv",
+        headers={"content-disposition": f'attachment; filename="switchboard-costs-{tenant or "all"}.csv"'},
+    )
