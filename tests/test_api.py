@@ -53,7 +53,7 @@ def test_chat_answers_and_counts_usage_like_the_tokenizer(
     assert r.usage.completion_tokens == len(hf_tokenizer(text, add_special_tokens=False)["input_ids"]) + 1
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     (row,) = live_server.wait_for_usage(r.id)
-    assert (row.prompt_tokens, row.completion_tokens, row.status, row.finish_reason, row.model, row.endpoint) == (
+    assert (row.prompt_tokens, row.completion_tokens, row.status, row.finish_reason, row.tier, row.endpoint) == (
         r.usage.prompt_tokens,
         r.usage.completion_tokens,
         "ok",
