@@ -203,6 +203,8 @@ class Pipeline:
         self.budgets = budgets
 
     async def policy(self, principal: Principal) -> Versioned:
+        if (hit := self.policies.cached(principal.tenant_id)) is not None:
+            return hit  # the common case: no thread hop
         return await anyio.to_thread.run_sync(self.policies.current, principal.tenant_id)
 
     def engine(self, model: str, policy: Policy) -> AsyncEngine:

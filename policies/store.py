@@ -44,11 +44,15 @@ class PolicyStore:
         self._cache: dict[int, tuple[float, Versioned]] = {}
         self._lock = threading.Lock()
 
+    def cached(self, tenant_id: int) -> Versioned | None:
+        """The cached policy if it is fresh: no SQL, safe to call on the event loop."""
+        hit = self._cache.get(tenant_id)
+        return hit[1] if hit is not None and time.monotonic() - hit[0] < self.ttl else None
+
     def current(self, tenant_id: int) -> Versioned:
         now = time.monotonic()
-        hit = self._cache.get(tenant_id)
-        if hit is not None and now - hit[0] < self.ttl:
-            return hit[1]
+        if (hit := self.cached(tenant_id)) is not None:
+            return hit
         with self.db.session() as s:
             row = s.scalar(
                 select(PolicyVersion)
