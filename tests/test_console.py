@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from engines.async_engine import AsyncEngine
-from gateway.console.pages import csrf_token, session_key_id, session_token
+from gateway.console.session import csrf_token, session_key_id, session_token
 from gateway.tenants import authenticate, create_key, create_tenant, revoke_key
 from live import LiveServer, start_server
 

@@ -1,24 +1,17 @@
 """The console's pages: sign in with an admin or finance key, then manage tenants, keys and policies,
-read the audit log, and see costs and savings.
-
-A session is a cookie holding `key_id.expiry.signature` (HMAC-SHA256 under the server's console
-secret); the key itself never leaves the sign-in form. Every request re-reads the key by id, so
-revoking it ends its sessions at once. Every form posts a CSRF token, an HMAC of the session token
-(of a random sign-in cookie for the sign-in form), on top of the cookie's SameSite=Strict.
+read the audit log, and see costs and savings. Sessions, CSRF and roles live in `session`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import secrets
-import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
 from typing import Annotated, Any
-from urllib.parse import parse_qsl, quote, urlencode
+from urllib.parse import quote, urlencode
 
 import anyio
 from fastapi import APIRouter, Depends, Request, Response
@@ -26,15 +19,31 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, RedirectResponse
 from fastapi.routing import APIRoute
 from fastapi.templating import Jinja2Templates
-from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from gateway import audit, reports
 from gateway.api.policies import validate_policy
 from gateway.auth import visible_tenant
 from gateway.console.chart import cost_chart, usd
-from gateway.db.database import Database
-from gateway.db.models import ApiKey, Tenant
+from gateway.console.session import (
+    CONSOLE_ROLES,
+    LOGIN_COOKIE,
+    SESSION_COOKIE,
+    SESSION_SECONDS,
+    AdminUser,
+    FinanceUser,
+    Posted,
+    SignedIn,
+    SignIn,
+    console_secret,
+    login_csrf_token,
+    read_form,
+    same,
+    session_token,
+    set_cookie,
+    small_int,
+)
+from gateway.db.models import Tenant
 from gateway.errors import APIError
 from gateway.tenants import (
     ROLES,
@@ -50,10 +59,6 @@ from gateway.tenants import (
 from policies.store import PolicyError
 
 HERE = Path(__file__).resolve().parent
-SESSION_COOKIE = "sb_console"
-LOGIN_COOKIE = "sb_console_login"  # a random nonce that the sign-in form's CSRF token is bound to
-SESSION_SECONDS = 8 * 3600
-CONSOLE_ROLES = ("admin", "finance")
 AUDIT_LIMIT = 200
 # No scripts at all, styles only from our own stylesheet; forms post only back to us; never framed.
 HEADERS = {
@@ -68,10 +73,6 @@ templates = Jinja2Templates(directory=HERE / "templates")
 templates.env.filters["usd"] = usd
 
 
-class _SignIn(Exception):
-    """No valid session: send the browser to the sign-in page."""
-
-
 class _PageRoute(APIRoute):
     """Console routes answer in HTML: errors become a page (not OpenAI-shaped JSON), a missing
     session becomes a redirect, and every answer carries the security headers."""
@@ -82,7 +83,7 @@ class _PageRoute(APIRoute):
         async def page(request: Request) -> Response:
             try:
                 response = await handler(request)
-            except _SignIn:
+            except SignIn:
                 response = RedirectResponse("/console/login", status_code=303)
             except APIError as exc:
                 response = _page(request, "error.html", exc.status, message=exc.message)
@@ -96,115 +97,6 @@ class _PageRoute(APIRoute):
 
 
 router = APIRouter(prefix="/console", route_class=_PageRoute, include_in_schema=False)
-
-
-# --- sessions ------------------------------------------------------------------------------------------
-
-
-def _secret(request: Request) -> bytes:
-    return request.app.state.console_secret.encode()
-
-
-def _sign(secret: bytes, purpose: str, message: str) -> str:
-    # The purpose keeps a signature made for one use (a session) from passing as another (a CSRF token).
-    return hmac.new(secret, f"{purpose}:{message}".encode(), hashlib.sha256).hexdigest()
-
-
-def _same(a: str, b: str) -> bool:
-    return hmac.compare_digest(a.encode(), b.encode())
-
-
-def session_token(secret: bytes, key_id: int, now: float | None = None) -> str:
-    body = f"{key_id}.{int((now or time.time()) + SESSION_SECONDS)}"
-    return f"{body}.{_sign(secret, 'session', body)}"
-
-
-def session_key_id(secret: bytes, token: str, now: float | None = None) -> int | None:
-    """The key id a well-signed, unexpired token names; None for anything else."""
-    key_id, _, rest = token.partition(".")
-    expiry, _, signature = rest.partition(".")
-    if _int(key_id) is None or _int(expiry) is None:
-        return None
-    if not _same(signature, _sign(secret, "session", f"{key_id}.{expiry}")):
-        return None
-    return int(key_id) if int(expiry) > (now or time.time()) else None
-
-
-def csrf_token(secret: bytes, session: str) -> str:
-    return _sign(secret, "csrf", session)
-
-
-def principal_by_key_id(db: Database, key_id: int) -> Principal | None:
-    """The principal of a live (not revoked) admin or finance key, by id."""
-    with db.session() as s:
-        row = s.execute(
-            select(ApiKey, Tenant).join(Tenant, Tenant.id == ApiKey.tenant_id).where(ApiKey.id == key_id)
-        ).first()
-    if row is None:
-        return None
-    key, tenant = row
-    if key.revoked_at is not None or key.role not in CONSOLE_ROLES:
-        return None
-    return Principal(tenant.id, tenant.name, key.id, key.prefix, key.role, tenant.is_operator)
-
-
-def _set_cookie(request: Request, response: Response, name: str, value: str, max_age: int) -> None:
-    response.set_cookie(
-        name,
-        value,
-        max_age=max_age,
-        path="/console",
-        httponly=True,
-        samesite="strict",
-        secure=request.url.scheme == "https",
-    )
-
-
-async def _signed_in(request: Request) -> Principal:
-    token = request.cookies.get(SESSION_COOKIE, "")
-    key_id = session_key_id(_secret(request), token) if token else None
-    principal = None
-    if key_id is not None:
-        principal = await anyio.to_thread.run_sync(principal_by_key_id, request.app.state.db, key_id)
-    if principal is None:
-        raise _SignIn
-    request.state.principal = principal
-    request.state.csrf = csrf_token(_secret(request), token)
-    return principal
-
-
-SignedIn = Annotated[Principal, Depends(_signed_in)]
-
-
-def _role(role: str) -> Callable[[Principal], Awaitable[Principal]]:
-    async def check(principal: SignedIn) -> Principal:
-        if principal.role != role:
-            raise APIError(
-                403, f"This page needs a key with the {role} role; you signed in with a {principal.role} key."
-            )
-        return principal
-
-    return check
-
-
-AdminUser = Annotated[Principal, Depends(_role("admin"))]
-FinanceUser = Annotated[Principal, Depends(_role("finance"))]
-
-
-async def _form(request: Request) -> dict[str, str]:
-    """A urlencoded form body (what a browser's form posts; no multipart library needed)."""
-    body = (await request.body()).decode("utf-8", "replace")
-    return dict(parse_qsl(body, keep_blank_values=True))
-
-
-async def _posted(request: Request, _: SignedIn) -> dict[str, str]:
-    form = await _form(request)
-    if not _same(form.get("csrf", ""), request.state.csrf):
-        raise APIError(403, "The form's security token is missing or stale; reload the page and try again.")
-    return form
-
-
-Posted = Annotated[dict[str, str], Depends(_posted)]
 
 
 # --- helpers -------------------------------------------------------------------------------------------
@@ -232,9 +124,13 @@ async def _visible(request: Request, principal: Principal, name: str) -> Tenant:
     return await anyio.to_thread.run_sync(visible_tenant, request.app.state.db, principal, name)
 
 
-def _int(value: str | None) -> int | None:
-    """A small non-negative integer, or None: str.isdigit alone lets "²" and 5,000-digit strings through."""
-    return int(value) if value and len(value) <= 18 and value.isascii() and value.isdigit() else None
+async def _admin_tenant(name: str, request: Request, principal: AdminUser) -> Tenant:
+    return await _visible(request, principal, name)
+
+
+# The tenant a `/tenants/{name}` page is about. Declare it after `Posted`: dependencies resolve in order,
+# so a stale form still fails its CSRF check before anyone learns whether the tenant exists.
+AdminTenant = Annotated[Tenant, Depends(_admin_tenant)]
 
 
 # --- sign in and out -----------------------------------------------------------------------------------
@@ -249,8 +145,9 @@ async def stylesheet() -> FileResponse:
 
 def _login_page(request: Request, error: str | None = None, status: int = 200) -> Response:
     nonce = secrets.token_urlsafe(16)
-    response = _page(request, "login.html", status, error=error, csrf=_sign(_secret(request), "login", nonce), me=None)
-    _set_cookie(request, response, LOGIN_COOKIE, nonce, 3600)
+    csrf = login_csrf_token(console_secret(request), nonce)
+    response = _page(request, "login.html", status, error=error, csrf=csrf, me=None)
+    set_cookie(request, response, LOGIN_COOKIE, nonce, 3600)
     return response
 
 
@@ -261,9 +158,9 @@ async def login_form(request: Request) -> Response:
 
 @router.post("/login")
 async def login(request: Request) -> Response:
-    form = await _form(request)
+    form, secret = await read_form(request), console_secret(request)
     nonce = request.cookies.get(LOGIN_COOKIE, "")
-    if not nonce or not _same(form.get("csrf", ""), _sign(_secret(request), "login", nonce)):
+    if not nonce or not same(form.get("csrf", ""), login_csrf_token(secret, nonce)):
         return _login_page(request, "The sign-in form expired; please try again.", 403)
     principal = await anyio.to_thread.run_sync(authenticate, request.app.state.db, form.get("key", "").strip())
     if principal is None:
@@ -271,7 +168,7 @@ async def login(request: Request) -> Response:
     if principal.role not in CONSOLE_ROLES:
         return _login_page(request, f"Only admin and finance keys can sign in; that is an {principal.role} key.", 403)
     response = RedirectResponse("/console", status_code=303)
-    _set_cookie(request, response, SESSION_COOKIE, session_token(_secret(request), principal.key_id), SESSION_SECONDS)
+    set_cookie(request, response, SESSION_COOKIE, session_token(secret, principal.key_id), SESSION_SECONDS)
     response.delete_cookie(LOGIN_COOKIE, path="/console")
     return response
 
@@ -326,13 +223,12 @@ async def _tenant_page(request: Request, tenant: Tenant, status: int = 200, **co
 
 
 @router.get("/tenants/{name}")
-async def tenant(name: str, request: Request, principal: AdminUser) -> Response:
-    return await _tenant_page(request, await _visible(request, principal, name))
+async def tenant(request: Request, t: AdminTenant) -> Response:
+    return await _tenant_page(request, t)
 
 
 @router.post("/tenants/{name}/keys")
-async def new_key(name: str, request: Request, principal: AdminUser, form: Posted) -> Response:
-    t = await _visible(request, principal, name)
+async def new_key(request: Request, principal: AdminUser, form: Posted, t: AdminTenant) -> Response:
     role = form.get("role", "")
     if role not in ROLES:
         return await _tenant_page(request, t, 422, error=f"role must be one of {', '.join(ROLES)}")
@@ -343,8 +239,7 @@ async def new_key(name: str, request: Request, principal: AdminUser, form: Poste
 
 
 @router.post("/tenants/{name}/keys/revoke")
-async def revoke(name: str, request: Request, principal: AdminUser, form: Posted) -> Response:
-    t = await _visible(request, principal, name)
+async def revoke(request: Request, principal: AdminUser, form: Posted, t: AdminTenant) -> Response:
     prefix = form.get("prefix", "")
     try:
         await anyio.to_thread.run_sync(
@@ -375,19 +270,18 @@ async def _policy_page(
         history=history,
         text=text,
         served=list(request.app.state.pipeline.engines),
-        saved=_int(request.query_params.get("saved")),
+        saved=small_int(request.query_params.get("saved")),
         **context,
     )
 
 
 @router.get("/tenants/{name}/policy")
-async def policy(name: str, request: Request, principal: AdminUser) -> Response:
-    return await _policy_page(request, await _visible(request, principal, name))
+async def policy(request: Request, t: AdminTenant) -> Response:
+    return await _policy_page(request, t)
 
 
 @router.post("/tenants/{name}/policy")
-async def save_policy(name: str, request: Request, principal: AdminUser, form: Posted) -> Response:
-    t = await _visible(request, principal, name)
+async def save_policy(request: Request, principal: AdminUser, form: Posted, t: AdminTenant) -> Response:
     text, note = form.get("policy", ""), form.get("note", "").strip()[:200]
     try:
         body = json.loads(text)
@@ -411,9 +305,8 @@ async def save_policy(name: str, request: Request, principal: AdminUser, form: P
 
 
 @router.post("/tenants/{name}/policy/rollback")
-async def rollback(name: str, request: Request, principal: AdminUser, form: Posted) -> Response:
-    t = await _visible(request, principal, name)
-    version = _int(form.get("version"))
+async def rollback(request: Request, principal: AdminUser, form: Posted, t: AdminTenant) -> Response:
+    version = small_int(form.get("version"))
     store = request.app.state.policies
     try:
         if version is None:
@@ -481,38 +374,53 @@ def _date(value: str | None, name: str) -> date | None:
         raise APIError(422, f"{name} must be a date like 2025-01-31.") from None
 
 
+@dataclass(frozen=True)
+class _Scope:
+    """What a finance page reports on: the query as typed (to echo back) and as resolved."""
+
+    tenant: str | None
+    start: str | None
+    end: str | None
+    ids: list[int] | None  # None: every tenant, for the operator
+    first: date | None
+    last: date | None
+
+
 async def _finance_scope(
-    request: Request, principal: Principal, tenant: str | None, start: str | None, end: str | None
-) -> tuple[list[int] | None, date | None, date | None]:
-    first, last = _date(start, "start"), _date(end, "end")
-    if first and last and first > last:
-        raise APIError(422, "start must not be after end.")
-    if tenant:
-        return [(await _visible(request, principal, tenant)).id], first, last
-    return (None if principal.operator else [principal.tenant_id]), first, last
-
-
-@router.get("/finance")
-async def finance(
     request: Request,
     principal: FinanceUser,
     tenant: str | None = None,
     start: str | None = None,
     end: str | None = None,
-) -> Response:
-    db = request.app.state.db
-    ids, first, last = await _finance_scope(request, principal, tenant, start, end)
+) -> _Scope:
+    first, last = _date(start, "start"), _date(end, "end")
+    if first and last and first > last:
+        raise APIError(422, "start must not be after end.")
+    if tenant:
+        ids = [(await _visible(request, principal, tenant)).id]
+    else:
+        ids = None if principal.operator else [principal.tenant_id]
+    return _Scope(tenant, start, end, ids, first, last)
+
+
+# The finance pages' query parameters (tenant, start, end), checked; it needs the finance role.
+FinanceScope = Annotated[_Scope, Depends(_finance_scope)]
+
+
+@router.get("/finance")
+async def finance(request: Request, principal: FinanceUser, scope: FinanceScope) -> Response:
+    db, ids, first, last = request.app.state.db, scope.ids, scope.first, scope.last
     costs = await anyio.to_thread.run_sync(reports.costs, db, ids, first, last, ("day", "tier"))
     savings = await anyio.to_thread.run_sync(reports.savings, db, ids, first, last)
     visible = await anyio.to_thread.run_sync(list_tenants, db, None if principal.operator else principal.tenant_id)
-    query = {k: v for k, v in (("tenant", tenant), ("start", start), ("end", end)) if v}
+    query = {k: v for k, v in (("tenant", scope.tenant), ("start", scope.start), ("end", scope.end)) if v}
     return _page(
         request,
         "finance.html",
         tenants=visible,
-        selected=tenant or "",
-        start=start or "",
-        end=end or "",
+        selected=scope.tenant or "",
+        start=scope.start or "",
+        end=scope.end or "",
         costs=costs,
         savings=savings,
         levers=reports.LEVERS,
@@ -522,19 +430,12 @@ async def finance(
 
 
 @router.get("/finance.csv")
-async def finance_csv(
-    request: Request,
-    principal: FinanceUser,
-    tenant: str | None = None,
-    start: str | None = None,
-    end: str | None = None,
-) -> Response:
-    ids, first, last = await _finance_scope(request, principal, tenant, start, end)
+async def finance_csv(request: Request, scope: FinanceScope) -> Response:
     rows = await anyio.to_thread.run_sync(
-        reports.costs, request.app.state.db, ids, first, last, ("day", "tier", "model")
+        reports.costs, request.app.state.db, scope.ids, scope.first, scope.last, ("day", "tier", "model")
     )
     return Response(
         reports.to_csv(rows),
         media_type="text/csv",
-        headers={"content-disposition": f'attachment; filename="switchboard-costs-{tenant or "all"}.csv"'},
+        headers={"content-disposition": f'attachment; filename="switchboard-costs-{scope.tenant or "all"}.csv"'},
     )
