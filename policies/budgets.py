@@ -14,6 +14,7 @@ counter as SQL's total plus the reservations still in flight.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from datetime import UTC, date, datetime
 from decimal import Decimal
 
 import anyio
+from redis.exceptions import RedisError
 from sqlalchemy import func, select
 
 from gateway.db.database import Database
@@ -29,6 +31,8 @@ from gateway.errors import APIError
 from policies.counters import Counters, Item, Missing
 from policies.policy import Budget, Policy
 from policies.pricing import from_units, to_units
+
+log = logging.getLogger(__name__)
 
 DAY_TTL = 3 * 86400
 MONTH_TTL = 33 * 86400
@@ -95,19 +99,33 @@ class Budgets:
                 items.append(Item(f"{self.ns}:rate:{scope}:{ident}:{minute}:requests", 1, rpm, MINUTE_TTL))
             if tpm is not None:
                 items.append(Item(f"{self.ns}:rate:{scope}:{ident}:{minute}:tokens", worst_tokens, tpm, MINUTE_TTL))
-        for _ in range(3):
-            try:
-                refused = await self.counters.reserve(resv_id, items)
-                break
-            except Missing as missing:
-                await self._seed(missing.keys, tenant_id, today)
-        else:
-            raise RuntimeError("budget counters could not be seeded")
+        try:
+            for _ in range(3):
+                try:
+                    refused = await self.counters.reserve(resv_id, items)
+                    break
+                except Missing as missing:
+                    await self._seed(missing.keys, tenant_id, today)
+            else:
+                raise RuntimeError("budget counters could not be seeded")
+        except (RedisError, OSError, RuntimeError) as exc:  # fail closed: a hard budget is a promise
+            log.exception("budget counters unavailable")
+            raise APIError(
+                503, "Budgets cannot be checked right now; retry shortly.", code="budget_unavailable"
+            ) from exc
         if refused is not None:
             raise _refusal(items[refused.index], refused.current, budgets, now)
         return Reservation(resv_id, items, money, worst_tokens)
 
     async def settle(self, resv: Reservation, cost: Decimal, tokens: int) -> None:
+        """Replace the reservation by what was spent. Never raises: the ledger row is already written,
+        and if the counters cannot be reached, `reconcile` rebuilds them from it."""
+        try:
+            await self._settle(resv, cost, tokens)
+        except (RedisError, OSError):
+            log.exception("could not settle reservation %s; `switchboard budgets reconcile` repairs it", resv.resv_id)
+
+    async def _settle(self, resv: Reservation, cost: Decimal, tokens: int) -> None:
         money = to_units(cost)
         deltas = []
         for it in resv.items:

@@ -236,3 +236,23 @@ def test_dry_run_replays_a_new_policy_over_the_ledger(database: Database, tmp_pa
         charge(Policy(), "small", Tokens(100, 40)).cost + charge(Policy(), "large", Tokens(100, 40)).cost
     )
     assert replay(Policy(), rows).changes == []  # the policy they ran under changes nothing
+
+
+def test_budgets_fail_closed_when_redis_is_unreachable(database: Database) -> None:
+    from gateway.errors import APIError
+
+    who = authenticate(database, create_tenant(database, "acme").key)
+    port = __import__("services").free_port()  # nothing listens there
+
+    async def run() -> None:
+        budgets = Budgets(database, RedisCounters(f"redis://127.0.0.1:{port}/0"), "down")
+        with pytest.raises(APIError) as info:
+            await budgets.admit("r", Policy(), who.tenant_id, who.key_id, D("0.01"), 10)
+        assert info.value.status == 503 and info.value.code == "budget_unavailable"
+        # settling after the fact never fails the request: the ledger row is the truth
+        from policies.budgets import Reservation
+
+        await budgets.settle(Reservation("r", [Item("down:x", 1)], 1, 1), D("0.01"), 10)
+        await budgets.counters.close()
+
+    asyncio.run(run())
