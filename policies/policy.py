@@ -56,12 +56,25 @@ class SamplingLimits(_Strict):
     default_stop: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list, max_length=16)
 
 
+Mask = Literal["timestamps", "dates", "uuids", "request_ids", "hex", "base64"]
+
+
 class CacheSettings(_Strict):
+    """The response cache: which requests it keys alike (normalization), how long and how many it keeps."""
+
     enabled: bool = True
     ttl_seconds: int = Field(3600, ge=1)
-    max_entries: int = Field(10_000, ge=0)
+    max_entries: int = Field(10_000, ge=0, description="per tenant; the least recently stored go first")
+    deterministic_only: bool = Field(True, description="cache only temperature 0 or seeded requests")
+    fold_whitespace: bool = True
+    masks: list[Mask] = Field(
+        default_factory=lambda: ["timestamps", "dates", "uuids", "request_ids", "hex", "base64"],
+        description="volatile spans replaced by a placeholder before keying",
+    )
     semantic: bool = False
-    semantic_threshold: float = Field(0.95, gt=0.0, le=1.0)
+    semantic_threshold: float | None = Field(
+        None, gt=0.0, le=1.0, description="cosine similarity for a semantic hit; default: the calibrated one"
+    )
 
 
 class VerifierSettings(_Strict):
