@@ -14,6 +14,7 @@ counter as SQL's total plus the reservations still in flight.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -57,10 +58,15 @@ def period_window(period: str, day: date) -> tuple[str, date, date]:
 
 
 class Budgets:
+    RETRY_AFTER = 1.0  # seconds without trying the counters after they failed
+
     def __init__(self, db: Database, counters: Counters, namespace: str = "sb") -> None:
         self.db = db
         self.counters = counters
         self.ns = namespace
+        self._down_until = 0.0  # while the counters are known down, don't make each request wait on them
+        self._missed = False  # requests ran uncounted: rebuild the counters from SQL once they are back
+        self._repair: asyncio.Task | None = None
 
     def spend_key(self, tenant_id: int, period: str, window: str, unit: str) -> str:
         return f"{self.ns}:spend:{tenant_id}:{period}:{window}:{unit}"
@@ -100,6 +106,8 @@ class Budgets:
             if tpm is not None:
                 items.append(Item(f"{self.ns}:rate:{scope}:{ident}:{minute}:tokens", worst_tokens, tpm, MINUTE_TTL))
         try:
+            if time.monotonic() < self._down_until:
+                raise RedisError("budget counters are down (backing off)")
             for _ in range(3):
                 try:
                     refused = await self.counters.reserve(resv_id, items)
@@ -108,11 +116,19 @@ class Budgets:
                     await self._seed(missing.keys, tenant_id, today)
             else:
                 raise RuntimeError("budget counters could not be seeded")
-        except (RedisError, OSError, RuntimeError) as exc:  # fail closed: a hard budget is a promise
-            log.exception("budget counters unavailable")
-            raise APIError(
-                503, "Budgets cannot be checked right now; retry shortly.", code="budget_unavailable"
-            ) from exc
+        except (RedisError, OSError, RuntimeError) as exc:
+            if time.monotonic() >= self._down_until:
+                log.warning("budget counters unavailable (%s); retrying in %.0f s", exc, self.RETRY_AFTER)
+            self._down_until = max(self._down_until, time.monotonic() + self.RETRY_AFTER)
+            if any(it.limit is not None for it in items):  # fail closed: a hard budget or a limit is a promise
+                raise APIError(
+                    503, "Budgets cannot be checked right now; retry shortly.", code="budget_unavailable"
+                ) from exc
+            self._missed = True  # nothing to enforce: serve it; the ledger still records it
+            return Reservation(resv_id, [], 0, 0)
+        if self._missed and self._repair is None:  # back after an outage: count what ran meanwhile
+            self._missed = False
+            self._repair = asyncio.get_running_loop().create_task(self._reconcile_after_outage())
         if refused is not None:
             raise _refusal(items[refused.index], refused.current, budgets, now)
         return Reservation(resv_id, items, money, worst_tokens)
@@ -125,7 +141,18 @@ class Budgets:
         except (RedisError, OSError):
             log.exception("could not settle reservation %s; `switchboard budgets reconcile` repairs it", resv.resv_id)
 
+    async def _reconcile_after_outage(self) -> None:
+        try:
+            log.info("budget counters are back: rebuilt %d from the ledger", await self.reconcile())
+        except Exception:  # the next outage's recovery tries again
+            log.exception("rebuilding the budget counters after an outage failed")
+            self._missed = True
+        finally:
+            self._repair = None
+
     async def _settle(self, resv: Reservation, cost: Decimal, tokens: int) -> None:
+        if not resv.items:  # admitted uncounted while the counters were down
+            return
         money = to_units(cost)
         deltas = []
         for it in resv.items:

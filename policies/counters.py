@@ -100,8 +100,14 @@ def _record(items: list[Item]) -> str:
 class RedisCounters:
     def __init__(self, url: str, namespace: str = "sb", max_connections: int = 64) -> None:
         # A blocking pool: a burst of requests waits for a connection instead of failing with "Too many".
+        # Short socket timeouts: a dead Redis must cost a request a fraction of a second, not minutes.
         pool = aioredis.BlockingConnectionPool.from_url(
-            url, max_connections=max_connections, timeout=30, decode_responses=True
+            url,
+            max_connections=max_connections,
+            timeout=30,
+            decode_responses=True,
+            socket_connect_timeout=0.25,
+            socket_timeout=2.0,
         )
         self.redis = aioredis.Redis(connection_pool=pool)
         self.namespace = namespace

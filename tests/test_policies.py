@@ -238,7 +238,9 @@ def test_dry_run_replays_a_new_policy_over_the_ledger(database: Database, tmp_pa
     assert replay(Policy(), rows).changes == []  # the policy they ran under changes nothing
 
 
-def test_budgets_fail_closed_when_redis_is_unreachable(database: Database) -> None:
+def test_budgets_fail_closed_only_where_a_limit_is_at_stake(database: Database) -> None:
+    """Redis down: a tenant with a hard budget or a rate limit gets 503s; one without is served
+    uncounted (its ledger rows are the truth, and the counters are rebuilt when Redis is back)."""
     from gateway.errors import APIError
 
     who = authenticate(database, create_tenant(database, "acme").key)
@@ -246,9 +248,14 @@ def test_budgets_fail_closed_when_redis_is_unreachable(database: Database) -> No
 
     async def run() -> None:
         budgets = Budgets(database, RedisCounters(f"redis://127.0.0.1:{port}/0"), "down")
-        with pytest.raises(APIError) as info:
-            await budgets.admit("r", Policy(), who.tenant_id, who.key_id, D("0.01"), 10)
-        assert info.value.status == 503 and info.value.code == "budget_unavailable"
+        limited = Policy.model_validate({"budgets": [{"period": "daily", "money": "5"}]})
+        for policy in (limited, Policy.model_validate({"rate_limits": {"key_rpm": 100}})):
+            with pytest.raises(APIError) as info:
+                await budgets.admit("r", policy, who.tenant_id, who.key_id, D("0.01"), 10)
+            assert info.value.status == 503 and info.value.code == "budget_unavailable"
+        free = await budgets.admit("r", Policy(), who.tenant_id, who.key_id, D("0.01"), 10)
+        assert free.items == []
+        await budgets.settle(free, D("0.01"), 10)
         # settling after the fact never fails the request: the ledger row is the truth
         from policies.budgets import Reservation
 
