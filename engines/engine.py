@@ -20,6 +20,7 @@ from engines.block_manager import BlockManager, BlockTable
 from engines.detokenizer import IncrementalDetokenizer
 from engines.kv_budget import KVBudget
 from engines.kv_cache import PagedKVCache, bytes_per_block
+from engines.kv_tier import KVTier, TierLink
 from engines.model_loader import load_model
 from engines.model_runner import Chunk, ModelRunner
 from engines.models.llama import LlamaForCausalLM
@@ -77,10 +78,11 @@ class EngineStats:
     kv_budget_bytes: int  # the byte budget this engine shares with other tiers (0: a pool of its own)
     kv_budget_used_bytes: int  # of it, in use by every engine drawing on it
     speculative: dict[str, float | int]  # proposed, accepted, acceptance rate, mean accepted length
+    kv_tier: dict[str, float | int] = field(default_factory=dict)  # kv_tier_*: blocks, bytes, errors (if on)
 
     def as_dict(self) -> dict[str, float | int]:
         d = asdict(self)
-        return {**d, **d.pop("speculative")}
+        return {**d, **d.pop("speculative"), **d.pop("kv_tier")}
 
 
 class Engine:
@@ -93,9 +95,11 @@ class Engine:
         name: str = "",
         draft_model: LlamaForCausalLM | None = None,
         kv_budget: KVBudget | None = None,
+        kv_tier: KVTier | None = None,
     ) -> None:
         """`draft_model`: the proposer for `config.speculative.method == "draft"` (same tokenizer).
-        `kv_budget`: a KV budget shared with other engines, in place of `config.kv_cache_bytes`."""
+        `kv_budget`: a KV budget shared with other engines, in place of `config.kv_cache_bytes`.
+        `kv_tier`: long prompt prefixes' KV blocks shared through Redis (one tier object per engine)."""
         self.model = model
         self.tokenizer = tokenizer
         self.config = config = config or EngineConfig()
@@ -131,10 +135,17 @@ class Engine:
             block_bytes=per_block,
             owner=owner,
         )
+        # What the tier's blocks must match besides the checkpoint: anything that changes the bytes.
+        layout = (
+            f"{model.weights_format}|{self.dtype}|kv={kv_dtype}|bs={config.block_size}"
+            f"|{cfg.num_hidden_layers}x{cfg.num_key_value_heads}x{cfg.head_dim}"
+        )
+        self.kv_tier = None if kv_tier is None else TierLink(kv_tier, self.cache, self.block_manager, layout)
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            restore=None if self.kv_tier is None else self.kv_tier.restore,
         )
         self.runner = ModelRunner(model, self.cache)
         # The model is part of every block hash: a shared pool never mixes two models' keys.
@@ -180,12 +191,15 @@ class Engine:
         draft_dir: str | Path | None = None,
         draft_weights: str | None = None,
         kv_budget: KVBudget | None = None,
+        kv_tier: KVTier | None = None,
     ) -> Engine:
         """`weights`: None serves the directory as stored, "int8"/"int4" quantize while loading;
         `draft_dir`/`draft_weights`: the draft model for speculative method "draft"."""
         draft = None if draft_dir is None else load_model(draft_dir, dtype, draft_weights)
         model = load_model(model_dir, dtype, weights)
-        return cls(model, Tokenizer(model_dir), config, name=name, draft_model=draft, kv_budget=kv_budget)
+        return cls(
+            model, Tokenizer(model_dir), config, name=name, draft_model=draft, kv_budget=kv_budget, kv_tier=kv_tier
+        )
 
     def check(self, prompt_token_ids: list[int], max_tokens: int) -> None:
         """Raise `RequestRejected` if this prompt and token budget cannot be served."""
@@ -264,6 +278,10 @@ class Engine:
             )
         forward_started = time.perf_counter()
         logits = self.runner.forward(chunks)
+        if self.kv_tier is not None:  # what computing a prompt block costs, the tier's yardstick
+            prompt = sum(len(c.token_ids) for c in chunks if len(c.token_ids) > c.num_logits)
+            total = sum(len(c.token_ids) for c in chunks)
+            self.kv_tier.observe_prefill(prompt, total, time.perf_counter() - forward_started)
         if self.speculator is not None and all(len(c.token_ids) == c.num_logits for c in chunks):
             # Decode and verification steps only: prefill chunks cost per token what decode rows don't.
             self.speculator.record_step(sum(len(c.token_ids) for c in chunks), time.perf_counter() - forward_started)
@@ -297,6 +315,8 @@ class Engine:
             if i in drafts:
                 self.block_manager.truncate(seq.block_table, seq.num_computed)
             self.block_manager.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed)
+            if self.kv_tier is not None and seq.num_generated == len(appended):  # its prompt just completed
+                self.kv_tier.offload(seq)
             if i in drafts and self.speculator is not None:
                 self.speculator.verified(seq, len(drafts[i].tokens), len(tokens) - 1, len(appended))
                 seq.draft_proposed += len(drafts[i].tokens)
@@ -346,4 +366,5 @@ class Engine:
             kv_budget_bytes=self.kv_budget.total_bytes if self.kv_budget else 0,
             kv_budget_used_bytes=self.kv_budget.used_bytes if self.kv_budget else 0,
             speculative=self.speculator.stats.as_dict() if self.speculator else {},
+            kv_tier=self.kv_tier.stats.as_dict() if self.kv_tier else {},
         )

@@ -13,6 +13,7 @@ waits to be recomputed, reusing whatever of its prefix is still cached.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engines.block_manager import BlockManager
@@ -34,12 +35,22 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        restore: Callable[[Sequence, int], int] | None = None,
+    ) -> None:
+        """`restore(seq, hit)`: after a local prefix match of `hit` tokens, attach more computed blocks
+        from elsewhere (the KV tier) and return the tokens now covered."""
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.restore = restore
         self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
         self.running: list[Sequence] = []  # in the order they were admitted
         self.num_preemptions = 0
@@ -82,6 +93,8 @@ class Scheduler:
             hit = 0
             if not table.block_ids:
                 hit = bm.match_prefix(table, seq.token_ids)
+                if self.restore is not None:
+                    hit = self.restore(seq, hit)
                 seq.num_computed = hit
             n = min(seq.num_uncomputed, budget)
             need = bm.blocks_needed(table, seq.num_computed + n)

@@ -45,6 +45,10 @@ class TierSettings(BaseModel):
     kv_cache_dtype: Literal["auto", "int8"] = Field(
         "auto", description='"int8" stores keys and values in int8 with per-token scales: ~2x the tokens'
     )
+    kv_tier: bool = Field(
+        False, description="share long prompt prefixes' KV blocks through Redis (`redis_url`): replicas skip prefill"
+    )
+    kv_tier_min_blocks: int = Field(4, ge=1, description="prompts with fewer full KV blocks stay out of the KV tier")
 
     speculative: Literal["off", "ngram", "draft"] = Field(
         "off", description="speculative decoding: n-gram lookup, or a smaller tier (`draft_tier`) drafting"

@@ -9,6 +9,7 @@ from engines.async_engine import AsyncEngine
 from engines.engine import Engine, EngineConfig
 from engines.fetch import FetchError, fetch_model, is_fetched
 from engines.kv_budget import KVBudget
+from engines.kv_tier import KVTier, checkpoint_fingerprint
 from engines.model_loader import load_model
 from engines.quantized_checkpoint import is_quantized_dir
 from engines.speculator import SpeculativeConfig
@@ -52,7 +53,8 @@ def load_engines(settings: Settings) -> dict[str, AsyncEngine]:
     for name in order:
         tier = settings.tiers[name]
         draft = engines[tier.draft_tier].engine if tier.speculative == "draft" and tier.draft_tier else None
-        key = (str(settings.model_dir(tier)), tier.dtype, tier.weights, engine_config(tier), tier.draft_tier)
+        kv_tier = (tier.kv_tier, tier.kv_tier_min_blocks)
+        key = (str(settings.model_dir(tier)), tier.dtype, tier.weights, engine_config(tier), tier.draft_tier, kv_tier)
         if key not in loaded:
             engine = _load(settings, name, tier, draft, budget if tier.kv_cache_bytes is None else None)
             loaded[key] = AsyncEngine(engine, name=name, threads=tier.threads or settings.max_threads)
@@ -84,6 +86,16 @@ def _load(settings: Settings, name: str, tier: TierSettings, draft: Engine | Non
     tokenizer = Tokenizer(model_dir)
     if draft is not None and draft.tokenizer.hf.get_vocab() != tokenizer.hf.get_vocab():
         raise ValueError(f"tier {name!r}: draft tier {tier.draft_tier!r} has another tokenizer; it cannot draft")
+    kv_tier = None
+    if tier.kv_tier and settings.redis_url:
+        kv_tier = KVTier(
+            settings.redis_url,
+            settings.redis_namespace,
+            checkpoint=checkpoint_fingerprint(model_dir, weights),
+            min_blocks=tier.kv_tier_min_blocks,
+        )
+    elif tier.kv_tier:
+        log.warning("tier %s: kv_tier needs redis_url; serving without it", name)
     engine = Engine(
         load_model(model_dir, tier.dtype, weights),
         tokenizer,
@@ -91,6 +103,7 @@ def _load(settings: Settings, name: str, tier: TierSettings, draft: Engine | Non
         name=tier.model,
         draft_model=None if draft is None else draft.model,
         kv_budget=budget,
+        kv_tier=kv_tier,
     )
     log.info(
         "tier %s: loaded %s (%s, %s weights%s) in %.1f s",
