@@ -15,10 +15,13 @@ from gateway import errors
 from gateway.api import admin, finance, health, openai
 from gateway.api import policies as policy_api
 from gateway.body_limit import BodySizeLimit
+from gateway.cache_stage import CacheStage
 from gateway.console import pages as console
 from gateway.db.database import Database
 from gateway.ledger import Ledger
 from gateway.pipeline import Pipeline
+from gateway.response_cache import ResponseCache
+from gateway.semantic_cache import SemanticCache
 from gateway.settings import Settings
 from policies.budgets import Budgets
 from policies.counters import Counters, LocalCounters, RedisCounters
@@ -48,6 +51,10 @@ def create_app(
             RedisCounters(settings.redis_url, settings.redis_namespace) if settings.redis_url else LocalCounters()
         )
         policies = PolicyStore(db)
+        cache = CacheStage(
+            ResponseCache(settings.redis_url, settings.redis_namespace),
+            SemanticCache(settings.redis_url, settings.redis_namespace),
+        )
         if engines is None:
             from gateway.tiers import load_engines
 
@@ -59,7 +66,7 @@ def create_app(
         app.state.db = db
         app.state.policies = policies
         app.state.budgets = Budgets(db, counters, settings.redis_namespace)
-        app.state.pipeline = Pipeline(running, ledger, settings, policies, app.state.budgets)
+        app.state.pipeline = Pipeline(running, ledger, settings, policies, app.state.budgets, cache)
         app.state.started = int(time.time())
         try:
             yield
@@ -68,6 +75,7 @@ def create_app(
                 for engine in set(running.values()):
                     engine.shutdown()
             await counters.close()
+            await cache.close()
             if database is None:
                 db.dispose()
 

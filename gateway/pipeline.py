@@ -18,6 +18,7 @@ import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field, replace
 from decimal import Decimal
+from typing import Any
 
 import anyio
 
@@ -26,6 +27,7 @@ from engines.engine import RequestRejected
 from engines.request import EngineRequest, FinishReason, RequestOutput
 from engines.sampling import SamplingParams
 from engines.tokenizer import ChatTemplateError, Tokenizer
+from gateway.cache_stage import BYPASS, CacheDecision, CacheStage, cache_mode
 from gateway.errors import APIError, invalid
 from gateway.ledger import Ledger, UsageRecord
 from gateway.schemas import (
@@ -69,6 +71,8 @@ class Generation:
     requested_max: list[int]  # per choice: what the request asked for (or its room), before the policy cap
     requested_max_tokens: int | None  # as sent
     num_prompts: int = 1
+    cache: CacheDecision = BYPASS
+    cache_stage: CacheStage | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     completion_tokens: int = 0
     status: str = "pending"
@@ -91,8 +95,13 @@ class Generation:
             raise RuntimeError("a generation runs once")
         self.status = "running"
         started = time.perf_counter()
+        if self.cache.answer is not None:
+            async for delta in self._replay(started):
+                yield delta
+            return
         index = {r.request_id: i for i, r in enumerate(self.requests)}
         reasons: list[str | None] = [None] * len(self.requests)
+        texts = [""] * len(self.requests)
         try:
             stream = self.engine.open(self.requests)
         except EngineUnavailable:  # stopped between start() and now: nothing ran, nothing to record
@@ -107,6 +116,7 @@ class Generation:
                     raise APIError(500, "The engine failed while generating; please retry.", code="engine_error")
                 i = index[out.request_id]
                 reasons[i] = out.finish_reason.value if out.finish_reason else None
+                texts[i] += out.text
                 if out.text or reasons[i]:
                     yield ChoiceDelta(i, out.text, reasons[i])
             # the engine aborts what is left when it shuts down under a running request
@@ -124,6 +134,31 @@ class Generation:
                 await stream.aclose()
                 self.completion_tokens = sum(o.completion_tokens for o in stream.last.values())
                 await self._account(stream.last, reasons, time.perf_counter() - started)
+                if self.status == "ok" and self.cache_stage is not None and self.cache.key is not None:
+                    usage = (self.prompt_tokens, self.completion_tokens)
+                    await self.cache_stage.store(
+                        self.principal.tenant_id, self.cache, texts, reasons, usage, self.model, self.request_id
+                    )
+
+    REPLAY_CHARS = 24  # a cached answer streams in pieces of about this many characters, like a generation
+
+    async def _replay(self, started: float) -> AsyncIterator[ChoiceDelta]:
+        """Answer from the cache: the stored texts as choice deltas; billed as a cache hit."""
+        answer = self.cache.answer
+        assert answer is not None
+        self.completion_tokens = answer.completion_tokens
+        try:
+            for i, (text, reason) in enumerate(zip(answer.texts, answer.finish_reasons, strict=True)):
+                pieces = [text[j : j + self.REPLAY_CHARS] for j in range(0, len(text), self.REPLAY_CHARS)] or [""]
+                for j, piece in enumerate(pieces):
+                    yield ChoiceDelta(i, piece, reason if j == len(pieces) - 1 else None)
+            self.status = "ok"
+        except (asyncio.CancelledError, GeneratorExit):
+            self.status = "aborted"
+            raise
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._account({}, list(answer.finish_reasons), time.perf_counter() - started)
 
     async def _account(self, last: Mapping[str, RequestOutput], reasons: list[str | None], seconds: float) -> None:
         """Price what ran, write its ledger row, then settle the reservation to the actual cost."""
@@ -142,6 +177,7 @@ class Generation:
             cached_prompt=cached,
             draft_accepted=sum(o.draft_accepted for o in outs if o),
             policy_cut=cut,
+            cache_hit=self.cache.answer is not None,
         )
         price = charge(self.policy.policy, self.model, tokens)
         rec = UsageRecord(
@@ -162,6 +198,7 @@ class Generation:
             requested_max_tokens=self.requested_max_tokens,
             effective_max_tokens=self.requests[0].params.max_tokens,
             policy_version=self.policy.version,
+            cache_status=self.cache.status,
             cost=price.cost,
             counterfactual_cost=price.counterfactual,
             saved_cache=price.saved_cache,
@@ -195,12 +232,14 @@ class Pipeline:
         settings: Settings,
         policies: PolicyStore,
         budgets: Budgets,
+        cache: CacheStage | None = None,
     ) -> None:
         self.engines = dict(engines)
         self.ledger = ledger
         self.settings = settings
         self.policies = policies
         self.budgets = budgets
+        self.cache = cache
 
     async def policy(self, principal: Principal) -> Versioned:
         if (hit := self.policies.cached(principal.tenant_id)) is not None:
@@ -223,7 +262,9 @@ class Pipeline:
             raise _unavailable(model)
         return engine
 
-    async def start_chat(self, principal: Principal, body: ChatCompletionRequest) -> Generation:
+    async def start_chat(
+        self, principal: Principal, body: ChatCompletionRequest, cache_header: str | None = None
+    ) -> Generation:
         policy = await self.policy(principal)
         engine = self.engine(body.model, policy.policy)
         _reject_unsupported(body, UNSUPPORTED_CHAT)
@@ -234,10 +275,13 @@ class Pipeline:
             raise invalid(str(exc), param="messages") from None
         max_tokens = body.max_completion_tokens or body.max_tokens
         return await self._generation(
-            "chat.completions", "chatcmpl", principal, policy, body, engine, [prompt], max_tokens
-        )
+            "chat.completions", "chatcmpl", principal, policy, body, engine, [prompt], max_tokens,
+            messages, cache_header,
+        )  # fmt: skip
 
-    async def start_completion(self, principal: Principal, body: CompletionRequest) -> Generation:
+    async def start_completion(
+        self, principal: Principal, body: CompletionRequest, cache_header: str | None = None
+    ) -> Generation:
         policy = await self.policy(principal)
         engine = self.engine(body.model, policy.policy)
         _reject_unsupported(body, UNSUPPORTED_COMPLETION)
@@ -254,6 +298,8 @@ class Pipeline:
         engine: AsyncEngine,
         prompts: list[list[int]],
         max_tokens: int | None,
+        conversation: Any,
+        cache_header: str | None,
     ) -> Generation:
         if body.n * len(prompts) > self.settings.max_n:
             raise invalid(f"at most {self.settings.max_n} choices per request (n × prompts)", param="n")
@@ -270,13 +316,25 @@ class Pipeline:
                 asked.append(wanted)
         prompt_tokens = sum(len(p) for p in prompts)
         completion_max = sum(r.params.max_tokens for r in requests)
+        cache = BYPASS
+        if self.cache is not None:
+            mode = cache_mode(body.model_extra, cache_header)
+            cache = await self.cache.lookup(
+                principal.tenant_id, policy.policy.cache, mode, endpoint, body.model, conversation,
+                _answer_params(body, requests[0].params),
+            )  # fmt: skip
+        worst_money = worst_case(policy.policy, body.model, prompt_tokens, completion_max)
+        if cache.answer is not None:  # a hit costs nothing; rate limits still count it
+            worst_money, prompt_tokens_worst, completion_max = Decimal(0), 0, 0
+        else:
+            prompt_tokens_worst = prompt_tokens
         reservation = await self.budgets.admit(
             request_id,
             policy.policy,
             principal.tenant_id,
             principal.key_id,
-            worst_case(policy.policy, body.model, prompt_tokens, completion_max),
-            prompt_tokens + completion_max,
+            worst_money,
+            prompt_tokens_worst + completion_max,
         )
         tier = self.settings.tiers.get(body.model)
         return Generation(
@@ -295,6 +353,8 @@ class Pipeline:
             requested_max=asked,
             requested_max_tokens=max_tokens,
             num_prompts=len(prompts),
+            cache=cache,
+            cache_stage=self.cache,
         )
 
     def _params(
@@ -338,6 +398,27 @@ class Pipeline:
         except ValueError as exc:
             raise invalid(str(exc)) from None
         return params, min(wanted, max(room, 1))
+
+
+# Request fields that change the answer, besides the sampling parameters: part of the cache key.
+_ANSWER_FIELDS = ("tools", "tool_choice", "functions", "response_format", "logit_bias", "logprobs", "top_logprobs")
+
+
+def _answer_params(body: ChatCompletionRequest | CompletionRequest, params: SamplingParams) -> dict[str, Any]:
+    """What the cache must key on, after the policy's clamps (so a clamp cannot hand back another's answer)."""
+    extra = body.model_extra or {}
+    return {
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "max_tokens": params.max_tokens,
+        "stop": list(params.stop),
+        "seed": body.seed,
+        "n": body.n,
+        "presence_penalty": params.presence_penalty,
+        "frequency_penalty": params.frequency_penalty,
+        **{k: extra[k] for k in _ANSWER_FIELDS if extra.get(k) is not None},
+    }
 
 
 def model_not_found(model: str) -> APIError:

@@ -34,6 +34,7 @@ from gateway.schemas import (
 from gateway.streaming import ClientDisconnected, EventStreamResponse, sse, until_disconnect
 
 router = APIRouter(prefix="/v1", tags=["openai"])
+CACHE_CONTROL = "x-switchboard-cache-control"  # no-cache | no-store, like the body's `cache` field
 
 
 def _pipeline(request: Request) -> Pipeline:
@@ -42,7 +43,7 @@ def _pipeline(request: Request) -> Pipeline:
 
 @router.post("/chat/completions", response_model=ChatCompletion)
 async def chat_completions(body: ChatCompletionRequest, request: Request, principal: CurrentPrincipal) -> Response:
-    gen = await _pipeline(request).start_chat(principal, body)
+    gen = await _pipeline(request).start_chat(principal, body, request.headers.get(CACHE_CONTROL))
 
     def result(texts: list[str], reasons: list[str | None]) -> ChatCompletion:
         choices = [
@@ -56,7 +57,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, princi
 
 @router.post("/completions", response_model=Completion)
 async def completions(body: CompletionRequest, request: Request, principal: CurrentPrincipal) -> Response:
-    gen = await _pipeline(request).start_completion(principal, body)
+    gen = await _pipeline(request).start_completion(principal, body, request.headers.get(CACHE_CONTROL))
 
     def result(texts: list[str], reasons: list[str | None]) -> Completion:
         choices = [
@@ -76,7 +77,9 @@ async def _respond(
     result: Callable[[list[str], list[str | None]], BaseModel],
 ) -> Response:
     """Stream SSE, or run to the end (aborting if the client leaves) and answer with `result`."""
-    headers = {"x-request-id": gen.request_id}
+    headers = {"x-request-id": gen.request_id, "x-switchboard-cache": gen.cache.header}
+    if gen.cache.answer is not None:  # which of this tenant's earlier requests answered it
+        headers["x-switchboard-cache-source"] = gen.cache.answer.request_id
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EventStreamResponse(events(gen, include_usage), headers=headers, on_close=gen.abandon)

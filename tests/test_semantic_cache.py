@@ -1,0 +1,134 @@
+"""The semantic cache on real Redis: the guards, the calibrated threshold on the shipped pairs, a table
+of requests that must and must not share an answer, tenant isolation, expiry, a second process, and a
+dead Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import pytest
+
+import services
+from gateway.normalize import request_key
+from gateway.semantic_cache import DEFAULT_THRESHOLD, FLOOR, Embedder, SemanticCache, calibrate, guard, load_pairs
+from policies.policy import CacheSettings
+
+SETTINGS = CacheSettings(semantic=True)
+PARAMS = {"temperature": 0, "max_tokens": 64}
+
+
+@pytest.fixture(scope="module")
+def embedder() -> Embedder:
+    return Embedder()
+
+
+def key(text: str, **params: object) -> object:
+    return request_key("chat.completions", "small", [{"role": "user", "content": text}], {**PARAMS, **params}, SETTINGS)
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "why"),
+    [
+        ("What is 12 times 7?", "What is 12 times 8?", "numbers"),
+        ("Sum 1,000 and 2", "Sum 1,000 and 3", "numbers"),
+        ("Is Python fast?", "Is Python not fast?", "negation"),
+        ("Can I do this?", "Can't I do this?", "negation"),
+        ("Say 'hello'", "Say 'goodbye'", "quoted"),
+        ('Grep for "error" in logs', 'Grep for "warning" in logs', "quoted"),
+        ("Who founded Apple?", "Who founded Microsoft?", "entities"),
+        ("Are you GPT-3?", "Are you GPT-4?", "numbers"),
+        ("Explain the API of NumPy.", "Explain the API of SciPy.", "entities"),
+        ("Sort the list in ascending order", "Sort the list in descending order", "swapped"),
+        ("Convert 5 miles to kilometers.", "Convert 5 kilometers to miles.", "swapped"),
+        ("List three primary colors.", "List three secondary colors.", "swapped"),
+        ("How do I install numpy?", "How do I uninstall numpy?", "swapped"),
+        ("How do I reverse a list in Python?", "What's the way to reverse a Python list?", None),
+        ("Describe the water cycle.", "Explain the water cycle.", None),
+        ("Write a haiku about autumn.", "Compose a haiku about autumn.", None),
+        ("Is coffee bad for your health?", "Is coffee unhealthy?", None),
+    ],
+)
+def test_guard(a: str, b: str, why: str | None) -> None:
+    assert guard(a, b) == why
+    assert guard(b, a) == why
+
+
+def test_calibrated_threshold_on_the_shipped_pairs(embedder: Embedder) -> None:
+    pairs = load_pairs()
+    assert len(pairs) >= 80 and sum(s for *_, s in pairs) >= 35
+    threshold, report = calibrate(pairs, embedder)
+    assert threshold == DEFAULT_THRESHOLD >= FLOOR
+    assert report["false_hit_rate"] <= 0.01 and report["true_hit_rate"] >= 0.8, report
+
+
+# (stored, asked, must_hit); parameters equal unless the row says otherwise
+TABLE = [
+    ("How do I reverse a list in Python?", "What's the way to reverse a Python list?", True),
+    ("How do I create a virtual environment in Python?", "How can I make a Python virtual environment?", True),
+    ("Explain the difference between TCP and UDP.", "What is the difference between TCP and UDP?", True),
+    ("How do I center a div in CSS?", "How can I center a div using CSS?", True),
+    ("Who wrote Pride and Prejudice?", "Who is the author of Pride and Prejudice?", True),
+    ("What is the square root of 144?", "What's the square root of 144?", True),
+    ("How many days are in a leap year?", "How many days does a leap year have?", True),
+    ("Describe the water cycle.", "Explain the water cycle.", True),
+    ("What is the square root of 144?", "What is the square root of 169?", False),
+    ("Is Python dynamically typed?", "Is Python not dynamically typed?", False),
+    ("Is Python dynamically typed?", "Is Rust dynamically typed?", False),
+    ("How do I undo the last git commit?", "How do I undo the last git push?", False),
+    ("Convert 5 miles to kilometers.", "Convert 5 kilometers to miles.", False),
+    ("Tell me a joke about cats.", "Tell me a joke about dogs.", False),
+    ("What is the capital of France?", "What is the capital of Germany?", False),
+    ("Translate 'good morning' to Spanish.", "Translate 'good night' to Spanish.", False),
+]
+
+
+def test_requests_that_must_and_must_not_share_an_answer(
+    redis_server: str, redis_namespace: str, embedder: Embedder
+) -> None:
+    async def run() -> list[tuple[str, str, bool, object]]:
+        c = SemanticCache(redis_server, redis_namespace, embedder)
+        out = []
+        for tenant, (stored, asked, must) in enumerate(TABLE, start=1):  # a tenant each: pairs stay apart
+            await c.add(tenant, key(stored), ttl=60)
+            out.append((stored, asked, must, await c.lookup(tenant, key(asked))))
+        # same text, other parameters: never
+        await c.add(100, key("How do I center a div in CSS?"), ttl=60)
+        out.append(
+            ("params", "max_tokens 65", False, await c.lookup(100, key("How do I center a div in CSS?", max_tokens=65)))
+        )
+        await c.close()
+        return out
+
+    for stored, asked, must, found in asyncio.run(run()):
+        assert (found is not None) == must, (stored, asked, found)
+
+
+def test_tenants_expiry_and_a_second_process(redis_server: str, redis_namespace: str, embedder: Embedder) -> None:
+    stored, asked = "How do I merge two dictionaries in Python?", "What's the way to combine two dicts in Python?"
+
+    async def run() -> None:
+        one = SemanticCache(redis_server, redis_namespace, embedder)
+        await one.add(1, key(stored), ttl=2)
+        assert (await one.lookup(1, key(asked)))[0] == key(stored).key
+        assert await one.lookup(2, key(asked)) is None  # another tenant
+        two = SemanticCache(redis_server, redis_namespace, embedder)  # another gateway process
+        assert (await two.lookup(1, key(asked)))[0] == key(stored).key
+        await asyncio.sleep(2.2)
+        assert await one.lookup(1, key(asked)) is None and await two.lookup(1, key(asked)) is None  # expired
+        await one.close()
+        await two.close()
+
+    asyncio.run(run())
+
+
+def test_a_dead_redis_is_a_miss_not_an_error(embedder: Embedder) -> None:
+    async def run() -> None:
+        c = SemanticCache(f"redis://127.0.0.1:{services.free_port()}/0", "down", embedder)
+        start = time.monotonic()
+        await c.add(1, key("How do I boil an egg?"), ttl=60)
+        assert await c.lookup(1, key("What's the best way to boil an egg?")) is not None  # this process's own entry
+        assert await c.lookup(2, key("What's the best way to boil an egg?")) is None
+        assert time.monotonic() - start < 2 and c.errors >= 1
+        await c.close()
+
+    asyncio.run(run())
