@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+
 import pytest
 
 import services
