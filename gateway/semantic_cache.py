@@ -75,15 +75,18 @@ def _words(text: str) -> list[str]:
 
 
 def _swapped(a: str, b: str) -> bool:
-    """The same words in another order ("miles to kilometers" / "kilometers to miles"), or one content word
-    swapped for another that is not a synonym ("primary colors" / "secondary colors")."""
+    """The same words in another order ("miles to kilometers" / "kilometers to miles"), one content word
+    swapped for another that is not a synonym ("primary colors" / "secondary colors"), or content words
+    added and nothing else changed ("are you X" / "are you based on X")."""
     wa, wb = _words(a), _words(b)
     if wa != wb and sorted(wa) == sorted(wb):
         return True
     ops = [op for op in difflib.SequenceMatcher(a=wa, b=wb, autojunk=False).get_opcodes() if op[0] != "equal"]
-    if len(ops) != 1 or ops[0][0] != "replace":
+    if len(ops) != 1:
         return False
-    _, i1, i2, j1, j2 = ops[0]
+    kind, i1, i2, j1, j2 = ops[0]
+    if kind != "replace":  # words only added or only dropped: "are you X" / "are you based on X"
+        return bool(set(wa[i1:i2] + wb[j1:j2]) - _STOP)
     x, y = set(wa[i1:i2]) - _STOP, set(wb[j1:j2]) - _STOP
     if not x or not y or i2 - i1 > 2 or j2 - j1 > 2:
         return False
