@@ -1,6 +1,8 @@
 """The semantic cache: a request that asks what an earlier one asked, in other words, gets its answer.
 
-MiniLM (all-MiniLM-L6-v2, shipped in a registry package) embeds the normalized conversation. Vectors
+MiniLM (all-MiniLM-L6-v2, shipped in a registry package) embeds the conversation's last message (the
+question); everything before it (system prompt, earlier turns) and the parameters must match exactly,
+so a long shared system prompt cannot make two different questions look alike. Vectors
 live in Redis per tenant (a hash of entry key → vector, text, parameters, expiry) and are searched in
 this process: the local Redis has no vector search, and a tenant's few thousand 384-float vectors are
 one matrix product. A per-tenant version counter tells each process when another one added entries.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import difflib
+import hashlib
 import json
 import logging
 import re
@@ -154,7 +157,7 @@ class _Index:
     checked: float = 0.0
     keys: list[str] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
-    params: list[str] = field(default_factory=list)
+    params: list[str] = field(default_factory=list)  # hash of what must match exactly (context, parameters)
     expires: list[float] = field(default_factory=list)
     matrix: np.ndarray = field(default_factory=lambda: np.zeros((0, 384), np.float32))
 
@@ -188,27 +191,31 @@ class SemanticCache:
     async def lookup(self, tenant_id: int, key: CacheKey, threshold: float | None = None) -> tuple[str, float] | None:
         threshold = DEFAULT_THRESHOLD if threshold is None else threshold
         index = await self._index(tenant_id)
-        if not index.keys:
+        if not index.keys or (split := _split(key)) is None:
             return None
-        vec = (await anyio.to_thread.run_sync(self.embedder.encode, [key.text]))[0]
+        question, context = split
+        vec = (await anyio.to_thread.run_sync(self.embedder.encode, [question]))[0]
         sims = index.matrix @ vec
         now = time.time()
         for i in np.argsort(-sims):
             if sims[i] < threshold:
                 break
-            usable = index.expires[i] > now and index.params[i] == key.params and index.keys[i] != key.key
-            if usable and guard(index.texts[i], key.text) is None:
+            usable = index.expires[i] > now and index.params[i] == context and index.keys[i] != key.key
+            if usable and guard(index.texts[i], question) is None:
                 return index.keys[i], float(sims[i])
         return None
 
     async def add(self, tenant_id: int, key: CacheKey, ttl: int) -> None:
-        vec = (await anyio.to_thread.run_sync(self.embedder.encode, [key.text]))[0]
+        if (split := _split(key)) is None:
+            return
+        question, context = split
+        vec = (await anyio.to_thread.run_sync(self.embedder.encode, [question]))[0]
         expires = time.time() + ttl
         index = self._indexes.setdefault(tenant_id, _Index())
-        index.add(key.key, key.text, key.params, expires, vec)
+        index.add(key.key, question, context, expires, vec)
         if self.redis is None or time.monotonic() < self._down_until:
             return
-        entry = {"v": base64.b64encode(vec.tobytes()).decode(), "text": key.text, "params": key.params, "exp": expires}
+        entry = {"v": base64.b64encode(vec.tobytes()).decode(), "text": question, "params": context, "exp": expires}
         try:
             async with self.redis.pipeline(transaction=True) as pipe:
                 pipe.hset(self._hash(tenant_id), key.key, json.dumps(entry))
@@ -259,6 +266,20 @@ class SemanticCache:
                 fresh.add(k.decode() if isinstance(k, bytes) else k, entry["text"], entry["params"], entry["exp"], vec)
         self._indexes[tenant_id] = fresh
         return fresh
+
+
+def _split(key: CacheKey) -> tuple[str, str] | None:
+    """(the question, a hash of everything else that must match exactly), or None for token-id prompts."""
+    data = json.loads(key.canonical)
+    given = data["input"]
+    if isinstance(given, str):
+        question, rest = given, []
+    elif isinstance(given, list) and given and isinstance(given[-1], dict):
+        question, rest = str(given[-1].get("content", "")), given[:-1]
+    else:
+        return None
+    context = json.dumps({"rest": rest, "params": key.params}, sort_keys=True, ensure_ascii=False)
+    return question, hashlib.sha256(context.encode()).hexdigest()
 
 
 def load_pairs(path: Path = PAIRS) -> list[tuple[str, str, bool]]:

@@ -38,6 +38,7 @@ def key(text: str, **params: object) -> object:
         ('Grep for "error" in logs', 'Grep for "warning" in logs', "quoted"),
         ("Who founded Apple?", "Who founded Microsoft?", "entities"),
         ("Are you GPT-3?", "Are you GPT-4?", "numbers"),
+        ("Are you GPT-2?", "Are you based on GPT-2?", "swapped"),
         ("Explain the API of NumPy.", "Explain the API of SciPy.", "entities"),
         ("Sort the list in ascending order", "Sort the list in descending order", "swapped"),
         ("Convert 5 miles to kilometers.", "Convert 5 kilometers to miles.", "swapped"),
@@ -92,6 +93,16 @@ def test_requests_that_must_and_must_not_share_an_answer(
         for tenant, (stored, asked, must) in enumerate(TABLE, start=1):  # a tenant each: pairs stay apart
             await c.add(tenant, key(stored), ttl=60)
             out.append((stored, asked, must, await c.lookup(tenant, key(asked))))
+        # a long shared system prompt must not make different questions alike
+        system = {"role": "system", "content": "You are a helpful assistant for ACME Corp. " * 20}
+        asks = [system, {"role": "user", "content": "Who created you?"}]
+        other = [system, {"role": "user", "content": "What is up?"}]
+        k = lambda m: request_key("chat.completions", "small", m, PARAMS, SETTINGS)  # noqa: E731
+        await c.add(101, k(asks), ttl=60)
+        out.append(("system prompt", "other question", False, await c.lookup(101, k(other))))
+        # ... and a different system prompt makes the same question another request
+        changed = [{"role": "system", "content": "You are a pirate."}, asks[1]]
+        out.append(("system prompt", "other system prompt", False, await c.lookup(101, k(changed))))
         # same text, other parameters: never
         await c.add(100, key("How do I center a div in CSS?"), ttl=60)
         out.append(
