@@ -56,8 +56,55 @@ _OPPOSITES = (("ascending", "descending"), ("increase", "decrease"), ("faster", 
 # Instruction verbs that ask the same thing; any other single-word swap changes the question.
 _SYNONYMS = [{"write", "compose", "create", "make", "draft"}, {"describe", "explain", "summarize", "outline"},
              {"list", "name", "give", "show"}, {"tell", "give"}, {"how", "what"}]  # fmt: skip
-_STOP = {"a", "an", "the", "to", "of", "in", "on", "for", "me", "my", "i", "you", "your", "is", "are", "do", "does",
-         "can", "could", "please", "what", "how", "s", "way", "best", "it", "this", "that", "with", "and"}  # fmt: skip
+_STOP = {
+    "a",
+    "an",
+    "the",
+    "to",
+    "of",
+    "in",
+    "on",
+    "for",
+    "me",
+    "my",
+    "i",
+    "you",
+    "your",
+    "is",
+    "are",
+    "do",
+    "does",
+    "can",
+    "could",
+    "would",
+    "please",
+    "kindly",
+    "what",
+    "how",
+    "s",
+    "d",
+    "way",
+    "best",
+    "it",
+    "this",
+    "that",
+    "with",
+    "and",
+    "have",
+    "like",
+    "know",
+    "want",
+    "need",
+    "answer",
+    "question",
+    "help",
+    "following",
+    "thank",
+    "thanks",
+    "advance",
+    "hi",
+    "hello",
+}  # fmt: skip (politeness and framing: no change of question)
 
 
 def _entities(text: str) -> set[str]:
@@ -74,7 +121,8 @@ def _entities(text: str) -> set[str]:
 
 
 def _words(text: str) -> list[str]:
-    return [w[:-1] if len(w) > 3 and w.endswith("s") else w for w in re.findall(r"[a-z0-9]+", text.lower())]
+    words = re.findall(r"[a-z0-9]+", text.lower())
+    return [w[:-1] if len(w) > 3 and w.endswith("s") and w not in _STOP else w for w in words]  # crude plurals
 
 
 def _swapped(a: str, b: str) -> bool:
