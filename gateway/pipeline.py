@@ -286,7 +286,9 @@ class Pipeline:
         engine = self.engine(body.model, policy.policy)
         _reject_unsupported(body, UNSUPPORTED_COMPLETION)
         prompts = await anyio.to_thread.run_sync(_completion_prompts, body.prompt, engine.tokenizer)
-        return await self._generation("completions", "cmpl", principal, policy, body, engine, prompts, body.max_tokens)
+        return await self._generation(
+            "completions", "cmpl", principal, policy, body, engine, prompts, body.max_tokens, body.prompt, cache_header
+        )
 
     async def _generation(
         self,

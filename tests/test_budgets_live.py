@@ -134,8 +134,9 @@ def test_concurrent_requests_never_overspend_a_hard_budget(server: LiveServer) -
 def test_streamed_and_plain_requests_cost_the_same(server: LiveServer) -> None:
     key, tenant = tenant_with(server, {})
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=key, max_retries=0, timeout=120)
-    client.chat.completions.create(model="small", messages=QUESTION, max_tokens=12, temperature=0)  # warms the cache
-    plain = client.chat.completions.create(model="small", messages=QUESTION, max_tokens=12, temperature=0)
+    run = {"extra_body": {"cache": "no-store"}}  # the engine runs every time: billing is what is compared
+    client.chat.completions.create(model="small", messages=QUESTION, max_tokens=12, temperature=0, **run)  # warm KV
+    plain = client.chat.completions.create(model="small", messages=QUESTION, max_tokens=12, temperature=0, **run)
     chunks = list(
         client.chat.completions.create(
             model="small",
@@ -144,6 +145,7 @@ def test_streamed_and_plain_requests_cost_the_same(server: LiveServer) -> None:
             temperature=0,
             stream=True,
             stream_options={"include_usage": True},
+            **run,
         )
     )
     streamed_usage = chunks[-1].usage

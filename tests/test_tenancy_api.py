@@ -44,7 +44,9 @@ def keys(live_server: LiveServer) -> dict[str, str]:
 def ask(live_server: LiveServer) -> Iterator:
     def ask(key: str, **kw: object) -> openai.types.chat.ChatCompletion:
         client = openai.OpenAI(base_url=f"{live_server.base_url}/v1", api_key=key, max_retries=0, timeout=120)
-        return client.chat.completions.create(model="small", messages=QUESTION, **{"max_tokens": 6, **kw})
+        # no-store: these tests are about what the engine's runs cost, not about the response cache
+        body = {"max_tokens": 6, "extra_body": {"cache": "no-store"}, **kw}
+        return client.chat.completions.create(model="small", messages=QUESTION, **body)
 
     yield ask
 
