@@ -19,6 +19,9 @@ from gateway.cache_stage import CacheStage
 from gateway.console import pages as console
 from gateway.db.database import Database
 from gateway.ledger import Ledger
+from gateway.logging_setup import RequestIdMiddleware
+from gateway.metrics import Metrics
+from gateway.metrics import router as metrics_router
 from gateway.pipeline import Pipeline
 from gateway.response_cache import ResponseCache
 from gateway.semantic_cache import SemanticCache
@@ -66,7 +69,7 @@ def create_app(
         app.state.db = db
         app.state.policies = policies
         app.state.budgets = Budgets(db, counters, settings.redis_namespace)
-        app.state.pipeline = Pipeline(running, ledger, settings, policies, app.state.budgets, cache)
+        app.state.pipeline = Pipeline(running, ledger, settings, policies, app.state.budgets, cache, app.state.metrics)
         app.state.started = int(time.time())
         try:
             yield
@@ -85,7 +88,10 @@ def create_app(
         lifespan=lifespan,
     )
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
+    app.add_middleware(RequestIdMiddleware)  # added last: outermost, so every log line of a request has its id
     app.state.settings = settings
+    app.state.metrics = Metrics()  # a registry per app: apps sharing a process never collide
+    app.state.metrics.watch(lambda: app.state)
     # A random secret signs out every console session on restart; set `console_secret` to keep them.
     app.state.console_secret = settings.console_secret or secrets.token_urlsafe(32)
     errors.install(app)
@@ -94,5 +100,6 @@ def create_app(
     app.include_router(policy_api.router)
     app.include_router(finance.router)
     app.include_router(health.router)
+    app.include_router(metrics_router)
     app.include_router(console.router)
     return app

@@ -7,7 +7,6 @@ tenant create` answers at once and `serve` can set OMP_NUM_THREADS before torch 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -140,14 +139,19 @@ def _serve(args: argparse.Namespace) -> int:
         settings = settings.model_copy(update=overrides)
     # OpenMP reads this once, when torch starts: set it before the first torch import.
     os.environ.setdefault("OMP_NUM_THREADS", str(settings.max_threads))
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from gateway.logging_setup import configure
+
+    configure(settings.log_level, settings.log_format)
     import uvicorn
 
     from gateway.app import create_app
     from gateway.tiers import ensure_models
 
     ensure_models(settings)  # before the server starts, so progress bars show on a plain terminal
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level)
+    # log_config=None: uvicorn keeps our root handler (its own config would print plain text)
+    uvicorn.run(
+        create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level, log_config=None
+    )
     return 0
 
 

@@ -71,8 +71,10 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(Exception, _unexpected)
 
 
-async def _api_error(_: Request, exc: Exception) -> JSONResponse:
+async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
+    if (metrics := getattr(request.app.state, "metrics", None)) is not None:
+        metrics.record_error(exc.status, exc.code)  # budget and rate-limit 429s, counted where they leave
     return exc.response()
 
 

@@ -30,6 +30,7 @@ from engines.tokenizer import ChatTemplateError, Tokenizer
 from gateway.cache_stage import BYPASS, CacheDecision, CacheStage, cache_mode
 from gateway.errors import APIError, invalid
 from gateway.ledger import Ledger, UsageRecord
+from gateway.metrics import Metrics
 from gateway.schemas import (
     UNSUPPORTED_CHAT,
     UNSUPPORTED_COMPLETION,
@@ -73,10 +74,12 @@ class Generation:
     num_prompts: int = 1
     cache: CacheDecision = BYPASS
     cache_stage: CacheStage | None = None
+    metrics: Metrics | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     completion_tokens: int = 0
     status: str = "pending"
     charged: bool = False
+    ttft: float | None = None  # seconds from start to the first generated text (engine runs only)
 
     @property
     def num_choices(self) -> int:
@@ -117,6 +120,8 @@ class Generation:
                 i = index[out.request_id]
                 reasons[i] = out.finish_reason.value if out.finish_reason else None
                 texts[i] += out.text
+                if out.text and self.ttft is None:
+                    self.ttft = time.perf_counter() - started
                 if out.text or reasons[i]:
                     yield ChoiceDelta(i, out.text, reasons[i])
             # the engine aborts what is left when it shuts down under a running request
@@ -208,6 +213,8 @@ class Generation:
             saved_policy=price.saved_policy,
         )
         self.charged = True
+        if self.metrics is not None:
+            self.metrics.record_request(rec, self.ttft, seconds)
         await anyio.to_thread.run_sync(self.ledger.record, rec)
         await self.budgets.settle(self.reservation, price.cost, tokens.prompt + tokens.completion)
 
@@ -233,6 +240,7 @@ class Pipeline:
         policies: PolicyStore,
         budgets: Budgets,
         cache: CacheStage | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.engines = dict(engines)
         self.ledger = ledger
@@ -240,6 +248,7 @@ class Pipeline:
         self.policies = policies
         self.budgets = budgets
         self.cache = cache
+        self.metrics = metrics
 
     async def policy(self, principal: Principal) -> Versioned:
         if (hit := self.policies.cached(principal.tenant_id)) is not None:
@@ -357,6 +366,7 @@ class Pipeline:
             num_prompts=len(prompts),
             cache=cache,
             cache_stage=self.cache,
+            metrics=self.metrics,
         )
 
     def _params(

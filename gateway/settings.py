@@ -94,6 +94,8 @@ class Settings(BaseSettings):
     auto_fetch: bool = Field(True, description="fetch registry models the tiers need on start")
     auto_migrate: bool = Field(True, description="bring the database schema up to date on start")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    log_format: Literal["json", "text"] = Field("json", description="json: one object per line, with request ids")
+    metrics_public: bool = Field(True, description="serve GET /metrics without a key; off: an admin key is needed")
     console_secret: str | None = Field(
         None, description="signs web console sessions; default: random per process (a restart signs everyone out)"
     )

@@ -15,6 +15,7 @@ from pydantic import BaseModel
 
 from gateway.auth import CurrentPrincipal
 from gateway.errors import APIError
+from gateway.logging_setup import request_id_var
 from gateway.pipeline import ChoiceDelta, Generation, Pipeline, model_not_found
 from gateway.schemas import (
     ChatChoice,
@@ -78,6 +79,7 @@ async def _respond(
 ) -> Response:
     """Stream SSE, or run to the end (aborting if the client leaves) and answer with `result`."""
     headers = {"x-request-id": gen.request_id, "x-switchboard-cache": gen.cache.header}
+    request_id_var.set(gen.request_id)  # from here on, log lines carry the id of the response and the ledger row
     if gen.cache.answer is not None:  # which of this tenant's earlier requests answered it
         headers["x-switchboard-cache-source"] = gen.cache.answer.request_id
     if body.stream:

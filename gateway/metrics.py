@@ -1,0 +1,158 @@
+"""Prometheus metrics: `GET /metrics` in the text exposition format.
+
+Counters and histograms are recorded where a request is priced (`Generation._account`) and where a
+429 leaves (`gateway.errors`); engine gauges (queue depth, KV use, speculative acceptance) and the
+caches' error counts are read from the engines and caches at scrape time, so nothing runs in the
+background. Each app has its own registry (`app.state.metrics`): several apps in one process, as in
+the tests, never share or collide.
+
+Labels carry tiers, endpoints and statuses only, never tenants or prompt text: the label sets stay
+small and a scrape reveals no tenant's data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from gateway.ledger import UsageRecord
+
+# Seconds; CPU engines' first tokens range from tens of milliseconds to tens of seconds under load.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+# 429 codes, as gateway.errors sees them → the `reason` label
+THROTTLE_CODES = {"insufficient_quota": "budget", "rate_limit_exceeded": "rate_limit"}
+
+
+# EngineStats.as_dict() key → (metric name after `switchboard_`, help); spec_* only on speculative tiers
+GAUGES = {
+    "waiting": ("engine_waiting", "Sequences queued"),
+    "running": ("engine_running", "Sequences running"),
+    "kv_utilization": ("kv_utilization", "KV-cache blocks in use / total (0-1)"),
+    "kv_blocks_used": ("kv_blocks_used", "KV-cache blocks in use"),
+    "kv_blocks_total": ("kv_blocks_capacity", "KV-cache blocks in all"),
+    "spec_acceptance_rate": ("spec_acceptance_rate", "Drafted tokens accepted / proposed (speculative tiers)"),
+}
+
+
+class Metrics:
+    """The app's metrics and their registry."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "switchboard_requests", "Requests that ran or were answered from the cache",
+            ["tier", "endpoint", "status", "cache"], registry=r,
+        )  # fmt: skip
+        self.tokens = Counter(
+            "switchboard_tokens",
+            "Tokens by kind: prompt, cached_prompt, completion, draft_proposed, draft_accepted",
+            ["tier", "kind"],
+            registry=r,
+        )
+        self.cost = Counter("switchboard_cost_usd", "What tenants were billed, USD", ["tier"], registry=r)
+        self.counterfactual = Counter(
+            "switchboard_counterfactual_cost_usd", "What the requests would cost with no lever pulled, USD", ["tier"],
+            registry=r,
+        )  # fmt: skip
+        self.routes = Counter(
+            "switchboard_routed_requests", "Requests by the tier that served them and how it was chosen",
+            ["tier", "route"], registry=r,
+        )  # fmt: skip
+        self.ttft = Histogram(
+            "switchboard_ttft_seconds", "Time to the first generated text (engine-run requests)", ["tier"],
+            buckets=TTFT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.tpot = Histogram(
+            "switchboard_time_per_output_token_seconds", "Time per generated token after the first", ["tier"],
+            buckets=TPOT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.throttled = Counter(
+            "switchboard_throttled_requests", "429s: reason budget (insufficient_quota) or rate_limit", ["reason"],
+            registry=r,
+        )  # fmt: skip
+
+    def record_request(self, rec: UsageRecord, ttft: float | None, seconds: float) -> None:
+        """One priced request: its ledger row, its time to first text (None: none was generated) and duration."""
+        tier = rec.tier
+        self.requests.labels(tier, rec.endpoint, rec.status, rec.cache_status).inc()
+        self.routes.labels(tier, rec.route).inc()
+        kinds = {
+            "prompt": rec.prompt_tokens,
+            "cached_prompt": rec.cached_prompt_tokens,
+            "completion": rec.completion_tokens,
+            "draft_proposed": rec.draft_proposed,
+            "draft_accepted": rec.draft_accepted,
+        }
+        for kind, n in kinds.items():
+            self.tokens.labels(tier, kind).inc(n)
+        self.cost.labels(tier).inc(float(rec.cost))
+        self.counterfactual.labels(tier).inc(float(rec.counterfactual_cost))
+        if ttft is not None:
+            self.ttft.labels(tier).observe(ttft)
+            self.tpot.labels(tier).observe(max(0.0, seconds - ttft) / max(1, rec.completion_tokens - 1))
+
+    def record_error(self, status: int, code: str | None) -> None:
+        if status == 429:
+            self.throttled.labels(THROTTLE_CODES.get(code or "", "other")).inc()
+
+    def watch(self, state: Callable[[], Any]) -> None:
+        """Read engine and cache gauges at scrape time from `state()` (the app's state, once it started)."""
+        self.registry.register(_StateCollector(state))
+
+
+class _StateCollector(Collector):
+    def __init__(self, state: Callable[[], Any]) -> None:
+        self.state = state
+
+    def describe(self) -> list[Metric]:
+        return []  # names are only known once engines run; an empty describe keeps registration lazy
+
+    def collect(self) -> Iterator[Metric]:
+        pipeline = getattr(self.state(), "pipeline", None)
+        if pipeline is None:  # before startup or after shutdown
+            return
+        gauges = {
+            key: GaugeMetricFamily(f"switchboard_{name}", doc, labels=["tier"]) for key, (name, doc) in GAUGES.items()
+        }
+        alive = GaugeMetricFamily("switchboard_engine_alive", "1 while the tier's engine thread runs", labels=["tier"])
+        for tier, engine in pipeline.engines.items():
+            stats = engine.stats().as_dict()
+            alive.add_metric([tier], 1.0 if engine.alive else 0.0)
+            for key, family in gauges.items():
+                if key in stats:
+                    family.add_metric([tier], float(stats[key]))
+        yield alive
+        yield from gauges.values()
+        errors = CounterMetricFamily(
+            "switchboard_cache_errors", "Redis failures the caches absorbed (served as misses)", labels=["cache"]
+        )
+        cache = pipeline.cache
+        if cache is not None:
+            errors.add_metric(["response"], float(cache.exact.errors))
+            if cache.semantic is not None:
+                errors.add_metric(["semantic"], float(cache.semantic.errors))
+        yield errors
+
+
+router = APIRouter(tags=["metrics"])
+
+
+@router.get("/metrics", include_in_schema=False)
+async def metrics(request: Request) -> Response:
+    """Prometheus text format. Public unless `metrics_public` is off: then an admin key is needed."""
+    if not request.app.state.settings.metrics_public:
+        from gateway.auth import require_principal, require_role
+
+        principal = await require_principal(request, request.headers.get("authorization"))
+        await require_role("admin")(principal)
+    registry: CollectorRegistry = request.app.state.metrics.registry
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
