@@ -1,0 +1,450 @@
+"""Load on a live gateway: N concurrent clients, cache hits and engine streams; RPS, latency, TTFT, errors.
+
+    OMP_NUM_THREADS=2 .venv/bin/python bench/load.py [--mode hit|stream|both] [--concurrency 64]
+        [--duration 15] [--rate R] [--procs P] [--sqlite] [--url URL --key KEY]
+
+Without `--url` it starts its own gateway: a fresh PostgreSQL database (`tests/services.py`; `--sqlite` for
+SQLite), Redis with a namespace of its own, the tiny profile (SmolLM2-135M as tier `small`), and one tenant
+whose policy has hard daily and monthly budgets and rate limits (all far from refusing), so every request
+goes through auth, policy, budgets, the cache and the ledger. The gateway runs `switchboard serve` in a
+separate process, so the load generator does not share its GIL; the database and Redis keys are removed
+at the end.
+
+Cache-hit path (`hit`): every request is the same deterministic chat request (temperature 0, max_tokens
+8), sent once untimed first, so each timed request is an exact hit (`x-switchboard-cache: hit`; anything
+else is counted as a non-hit). Closed loop by default: each of N clients sends its next request when the
+last one answers, for `--duration` seconds. With `--rate R` the loop is open: request k is due at k/R
+seconds and its latency counts from then, so queueing behind a slow server shows up (no coordinated
+omission).
+
+Engine path (`stream`): N concurrent streaming requests (stream=true, max_tokens 32, temperature 1,
+distinct seeds, `cache: "no-store"`), all started at once. TTFT is the time to the first chunk with
+content; an error is a non-200 answer, an `error` event in the stream, or a stream without `[DONE]`.
+
+The load generator costs CPU too: on a 2-core machine it competes with the gateway for the same cores,
+so the hit-path RPS is a lower bound for the gateway alone. `--procs P` splits the clients over P
+processes (for more cores; on 2 cores one process is usually best). Progress goes to stderr; the table
+and a last line of JSON (`hit_rps`, `hit_p99_ms`, `stream_errors`, `stream_ttft_p99_ms`, ...) to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from multiprocessing import get_context
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+HIT_BODY = {
+    "model": "small",
+    "messages": [{"role": "user", "content": "Say hello in one short sentence."}],
+    "temperature": 0,
+    "max_tokens": 8,
+}
+
+
+def say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def pct(values: list[float], q: float) -> float:
+    """The q-quantile (0..1) by nearest rank; NaN when empty."""
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+# --- the cache-hit path ----------------------------------------------------------------------------
+
+
+@dataclass
+class HitResult:
+    latencies_ms: list[float] = field(default_factory=list)  # hits only
+    non_hits: int = 0
+    errors: int = 0
+    error_examples: list[str] = field(default_factory=list)
+    elapsed_s: float = 0.0
+
+    def merge(self, other: HitResult) -> None:
+        self.latencies_ms += other.latencies_ms
+        self.non_hits += other.non_hits
+        self.errors += other.errors
+        self.error_examples += other.error_examples[: 5 - len(self.error_examples)]
+        self.elapsed_s = max(self.elapsed_s, other.elapsed_s)
+
+
+def client(url: str, key: str, concurrency: int, timeout: float = 60) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    return httpx.AsyncClient(
+        base_url=url, headers={"Authorization": f"Bearer {key}"}, limits=limits, timeout=timeout, http2=False
+    )
+
+
+async def hit_load(
+    url: str, key: str, concurrency: int, duration: float, rate: float | None, progress: bool = True
+) -> HitResult:
+    res = HitResult()
+    body = json.dumps(HIT_BODY).encode()
+    headers = {"content-type": "application/json"}
+    next_k = 0
+    async with client(url, key, concurrency) as http:
+        t0 = time.perf_counter()
+        end = t0 + duration
+
+        async def worker() -> None:
+            nonlocal next_k
+            while True:
+                if rate is None:
+                    due = time.perf_counter()
+                    if due >= end:
+                        return
+                else:
+                    k, next_k = next_k, next_k + 1
+                    due = t0 + k / rate
+                    if due >= end:
+                        return
+                    if (wait := due - time.perf_counter()) > 0:
+                        await asyncio.sleep(wait)
+                try:
+                    r = await http.post("/v1/chat/completions", content=body, headers=headers)
+                    ms = (time.perf_counter() - due) * 1000
+                except httpx.HTTPError as exc:
+                    res.errors += 1
+                    if len(res.error_examples) < 5:
+                        res.error_examples.append(f"{type(exc).__name__}: {exc}")
+                    continue
+                if r.status_code != 200:
+                    res.errors += 1
+                    if len(res.error_examples) < 5:
+                        res.error_examples.append(f"HTTP {r.status_code}: {r.text[:200]}")
+                elif r.headers.get("x-switchboard-cache") != "hit":
+                    res.non_hits += 1
+                else:
+                    res.latencies_ms.append(ms)
+
+        async def ticker() -> None:
+            while True:
+                await asyncio.sleep(3)
+                done = len(res.latencies_ms) + res.non_hits + res.errors
+                say(f"  hit: {time.perf_counter() - t0:5.1f}s  {done} requests  {res.errors} errors")
+
+        tick = asyncio.create_task(ticker()) if progress else None
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        res.elapsed_s = time.perf_counter() - t0
+        if tick:
+            tick.cancel()
+    return res
+
+
+def _hit_proc(url: str, key: str, concurrency: int, duration: float, rate: float | None, first: bool) -> HitResult:
+    return asyncio.run(hit_load(url, key, concurrency, duration, rate, progress=first))
+
+
+def run_hit(url: str, key: str, concurrency: int, duration: float, rate: float | None, procs: int) -> HitResult:
+    warm = httpx.post(f"{url}/v1/chat/completions", json=HIT_BODY, headers={"Authorization": f"Bearer {key}"},
+                      timeout=300)  # fmt: skip
+    warm.raise_for_status()
+    again = httpx.post(f"{url}/v1/chat/completions", json=HIT_BODY, headers={"Authorization": f"Bearer {key}"})
+    say(f"warm-up: first {warm.headers.get('x-switchboard-cache')}, then {again.headers.get('x-switchboard-cache')}")
+    if procs <= 1:
+        return asyncio.run(hit_load(url, key, concurrency, duration, rate))
+    shares = [concurrency // procs + (i < concurrency % procs) for i in range(procs)]
+    with ProcessPoolExecutor(procs, mp_context=get_context("spawn")) as pool:
+        futures = [
+            pool.submit(_hit_proc, url, key, n, duration, rate / procs if rate else None, i == 0)
+            for i, n in enumerate(shares)
+        ]
+        total = HitResult()
+        for f in futures:
+            total.merge(f.result())
+    return total
+
+
+# --- the engine path -------------------------------------------------------------------------------
+
+
+@dataclass
+class StreamResult:
+    ttft_ms: list[float] = field(default_factory=list)
+    total_ms: list[float] = field(default_factory=list)
+    tokens: int = 0  # content chunks received
+    errors: int = 0
+    error_examples: list[str] = field(default_factory=list)
+    elapsed_s: float = 0.0
+
+
+async def stream_load(url: str, key: str, concurrency: int, max_tokens: int) -> StreamResult:
+    res = StreamResult()
+    done = 0
+
+    def fail(why: str) -> None:
+        res.errors += 1
+        if len(res.error_examples) < 5:
+            res.error_examples.append(why)
+
+    async with client(url, key, concurrency, timeout=600) as http:
+        t0 = time.perf_counter()
+
+        async def one(i: int) -> None:
+            nonlocal done
+            body = {
+                "model": "small",
+                "messages": [{"role": "user", "content": f"Write a short story about a robot, number {i}."}],
+                "temperature": 1,
+                "seed": 1000 + i,
+                "max_tokens": max_tokens,
+                "stream": True,
+                "cache": "no-store",
+            }
+            start = time.perf_counter()
+            first: float | None = None
+            finished = False
+            chunks = 0
+            try:
+                async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+                    if r.status_code != 200:
+                        fail(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+                        return
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data:"):
+                            continue
+                        data = line[5:].strip()
+                        if data == "[DONE]":
+                            finished = True
+                            break
+                        event = json.loads(data)
+                        if "error" in event:
+                            fail(f"stream error: {event['error']}")
+                            return
+                        if any(c.get("delta", {}).get("content") for c in event.get("choices", [])):
+                            chunks += 1
+                            if first is None:
+                                first = time.perf_counter()
+            except (httpx.HTTPError, json.JSONDecodeError) as exc:
+                fail(f"{type(exc).__name__}: {exc}")
+                return
+            if not finished:
+                fail("stream ended without [DONE]")
+                return
+            end = time.perf_counter()
+            res.ttft_ms.append(((first or end) - start) * 1000)
+            res.total_ms.append((end - start) * 1000)
+            res.tokens += chunks
+            done += 1
+
+        async def ticker() -> None:
+            while True:
+                await asyncio.sleep(3)
+                say(f"  stream: {time.perf_counter() - t0:5.1f}s  {done}/{concurrency} complete  {res.errors} errors")
+
+        tick = asyncio.create_task(ticker())
+        await asyncio.gather(*(one(i) for i in range(concurrency)))
+        res.elapsed_s = time.perf_counter() - t0
+        tick.cancel()
+    return res
+
+
+# --- a gateway of its own --------------------------------------------------------------------------
+
+
+@dataclass
+class Gateway:
+    url: str
+    key: str
+    pid: int
+    stop: Callable[[], None]
+
+
+def start_gateway(home: Path, sqlite: bool, log: Path) -> Gateway:
+    import services
+    from gateway.db.database import Database
+    from gateway.tenants import create_tenant
+    from policies.policy import Budget, Policy, RateLimits
+    from policies.store import PolicyStore
+
+    cleanups: list[Callable[[], None]] = []
+    tmp = tempfile.TemporaryDirectory(prefix="sb-bench-load-")
+    cleanups.append(tmp.cleanup)
+    if sqlite:
+        db_url = f"sqlite:///{tmp.name}/switchboard.db"
+    else:
+        db_url, drop = services.create_database(services.postgres_url())
+        cleanups.append(drop)
+    redis_url, namespace = services.redis_url(), f"sbbench-load-{uuid.uuid4().hex[:8]}"
+    cleanups.append(lambda: _cleanup_redis(redis_url, namespace))
+    cleanups.append(services.stop_all)
+
+    db = Database(db_url)
+    db.upgrade()
+    issued = create_tenant(db, "bench-load")
+    from gateway.tenants import authenticate
+
+    principal = authenticate(db, issued.key)
+    assert principal is not None
+    from decimal import Decimal
+
+    policy = Policy(
+        budgets=[
+            Budget(period="daily", money=Decimal(100_000), tokens=10**12),
+            Budget(period="monthly", money=Decimal(1_000_000), tokens=10**13),
+        ],
+        rate_limits=RateLimits(key_rpm=10**7, key_tpm=10**11, tenant_rpm=10**7, tenant_tpm=10**11),
+    )
+    PolicyStore(db).save(principal.tenant_id, policy, "bench", note="bench/load.py")
+    db.engine.dispose()
+
+    port = services.free_port()
+    env = {
+        **os.environ,
+        "SWITCHBOARD_HOME": str(home),
+        "SWITCHBOARD_DATABASE_URL": db_url,
+        "SWITCHBOARD_REDIS_URL": redis_url,
+        "SWITCHBOARD_REDIS_NAMESPACE": namespace,
+        "SWITCHBOARD_PROFILE": "tiny",
+        "SWITCHBOARD_PORT": str(port),
+        "SWITCHBOARD_LOG_LEVEL": "warning",  # no access log: it would cost the server CPU per request
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
+        "PYTHONPATH": str(ROOT),
+    }
+    cmd = [sys.executable, "-c", "import sys; from gateway.cli import main; sys.exit(main(['serve']))"]
+    out = log.open("w")
+    proc = subprocess.Popen(cmd, env=env, cwd=tmp.name, stdout=out, stderr=subprocess.STDOUT)
+
+    def stop() -> None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        out.close()
+        for fn in reversed(cleanups):
+            try:
+                fn()
+            except Exception as exc:  # cleanup is best effort
+                say(f"cleanup: {type(exc).__name__}: {exc}")
+
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        if proc.poll() is not None:
+            stop()
+            raise RuntimeError(f"the gateway exited ({proc.returncode}); see {log}")
+        try:
+            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            stop()
+            raise RuntimeError(f"the gateway did not become healthy; see {log}")
+        time.sleep(0.25)
+    return Gateway(url, issued.key, proc.pid, stop)
+
+
+def _cleanup_redis(url: str, namespace: str) -> None:
+    import redis
+
+    r = redis.Redis.from_url(url)
+    keys = list(r.scan_iter(f"{namespace}:*", count=1000))
+    if keys:
+        r.delete(*keys)
+    r.close()
+
+
+# --- report ----------------------------------------------------------------------------------------
+
+
+def report(args: argparse.Namespace, hit: HitResult | None, stream: StreamResult | None) -> dict:
+    summary: dict[str, float | int | str] = {"concurrency": args.concurrency, "cpus": os.cpu_count() or 0}
+    print("\n| mode | concurrency | requests | RPS | p50 ms | p90 ms | p99 ms | TTFT p50 ms | TTFT p99 ms | errors |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    if hit is not None:
+        lat = hit.latencies_ms
+        rps = len(lat) / hit.elapsed_s if hit.elapsed_s else 0.0
+        p50, p90, p99 = (pct(lat, q) for q in (0.5, 0.9, 0.99))
+        loop = f"open {args.rate:g}/s" if args.rate else "closed"
+        print(f"| hit ({loop}) | {args.concurrency} | {len(lat)} | {rps:.0f} | {p50:.1f} | {p90:.1f} | {p99:.1f} "
+              f"| | | {hit.errors} (+{hit.non_hits} non-hits) |")  # fmt: skip
+        summary |= {"hit_rps": round(rps, 1), "hit_p50_ms": round(p50, 2), "hit_p90_ms": round(p90, 2),
+                    "hit_p99_ms": round(p99, 2), "hit_requests": len(lat), "hit_errors": hit.errors,
+                    "hit_non_hits": hit.non_hits}  # fmt: skip
+        for e in hit.error_examples:
+            say(f"  hit error: {e}")
+    if stream is not None:
+        n = len(stream.total_ms)
+        t50, t99 = pct(stream.ttft_ms, 0.5), pct(stream.ttft_ms, 0.99)
+        tot50, tot99 = pct(stream.total_ms, 0.5), pct(stream.total_ms, 0.99)
+        tot90 = pct(stream.total_ms, 0.9)
+        print(f"| stream | {args.concurrency} | {n} | {n / stream.elapsed_s:.1f} | {tot50:.0f} | {tot90:.0f} | "
+              f"{tot99:.0f} | {t50:.0f} | {t99:.0f} | {stream.errors} |")  # fmt: skip
+        summary |= {"stream_errors": stream.errors, "stream_completed": n, "stream_ttft_p50_ms": round(t50, 1),
+                    "stream_ttft_p99_ms": round(t99, 1), "stream_total_p50_ms": round(tot50, 1),
+                    "stream_total_p99_ms": round(tot99, 1),
+                    "stream_tokens_per_s": round(stream.tokens / stream.elapsed_s, 1)}  # fmt: skip
+        for e in stream.error_examples:
+            say(f"  stream error: {e}")
+    print("(stream row: p50/p90/p99 are whole-request times; RPS is completed streams per second)")
+    return summary
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", help="a running gateway (default: start one)")
+    p.add_argument("--key", help="an API key for --url")
+    p.add_argument("--mode", choices=("hit", "stream", "both"), default="both")
+    p.add_argument("--concurrency", type=int, default=64, help="concurrent clients (hit) and streams (stream)")
+    p.add_argument("--duration", type=float, default=15, help="seconds of hit-path load")
+    p.add_argument("--rate", type=float, help="hit path: requests per second, open loop (default: closed loop)")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens per stream")
+    p.add_argument("--procs", type=int, default=1, help="split the hit-path clients over this many processes")
+    p.add_argument("--sqlite", action="store_true", help="own gateway: SQLite instead of PostgreSQL")
+    p.add_argument("--home", type=Path, default=Path("~/.cache/switchboard"))
+    p.add_argument("--pause", type=float, default=0, help="seconds to wait before the hit load (to attach a profiler)")
+    args = p.parse_args()
+    if bool(args.url) != bool(args.key):
+        p.error("--url and --key go together")
+
+    gw: Gateway | None = None
+    if args.url:
+        url, key = args.url.rstrip("/"), args.key
+    else:
+        log = Path(tempfile.gettempdir()) / f"sb-bench-load-{os.getpid()}.log"
+        say(f"starting a gateway ({'SQLite' if args.sqlite else 'PostgreSQL'}, Redis, tiny profile); log {log}")
+        gw = start_gateway(args.home.expanduser(), args.sqlite, log)
+        url, key = gw.url, gw.key
+        say(f"gateway pid {gw.pid} at {url}")
+    try:
+        hit = stream = None
+        if args.mode in ("hit", "both"):
+            if args.pause:
+                say(f"pausing {args.pause:g}s")
+                time.sleep(args.pause)
+            say(f"hit path: {args.concurrency} clients for {args.duration:g}s")
+            hit = run_hit(url, key, args.concurrency, args.duration, args.rate, args.procs)
+        if args.mode in ("stream", "both"):
+            say(f"engine path: {args.concurrency} concurrent streams of {args.max_tokens} tokens")
+            stream = asyncio.run(stream_load(url, key, args.concurrency, args.max_tokens))
+    finally:
+        if gw is not None:
+            gw.stop()
+    print(json.dumps(report(args, hit, stream)))
+
+
+if __name__ == "__main__":
+    main()
