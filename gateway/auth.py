@@ -11,7 +11,7 @@ from fastapi import Depends, Header, Request
 from gateway.db.database import Database
 from gateway.db.models import Tenant
 from gateway.errors import APIError
-from gateway.tenants import Principal, authenticate, tenant_by_name
+from gateway.tenants import Principal, authenticate, recently_authenticated, tenant_by_name
 
 
 async def require_principal(request: Request, authorization: Annotated[str | None, Header()] = None) -> Principal:
@@ -25,7 +25,8 @@ async def require_principal(request: Request, authorization: Annotated[str | Non
     key = key.strip()
     if scheme.lower() != "bearer" or not key:
         raise APIError(401, "The Authorization header must be 'Bearer YOUR_KEY'.", code="invalid_api_key")
-    principal = await anyio.to_thread.run_sync(authenticate, request.app.state.db, key)
+    db = request.app.state.db
+    principal = recently_authenticated(db, key) or await anyio.to_thread.run_sync(authenticate, db, key)
     if principal is None:
         raise APIError(401, f"Incorrect API key provided: {_mask(key)}.", code="invalid_api_key")
     return principal

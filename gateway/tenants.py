@@ -10,6 +10,8 @@ import hashlib
 import hmac
 import re
 import secrets
+import threading
+import time
 from dataclasses import dataclass
 
 from sqlalchemy import select
@@ -100,6 +102,8 @@ def revoke_key(db: Database, prefix: str, *, actor: str = "cli", tenant_id: int 
         if key.revoked_at is None:
             key.revoked_at = utcnow()
             audit.record(s, actor, "key.revoke", key.prefix, tenant_id=key.tenant_id, before={"role": key.role})
+    with _recent_lock:  # a revoked key stops working in this process at once
+        _recent.clear()
 
 
 def tenant_by_name(db: Database, name: str) -> Tenant | None:
@@ -120,9 +124,32 @@ def list_keys(db: Database, tenant_id: int) -> list[ApiKey]:
         return list(s.scalars(select(ApiKey).where(ApiKey.tenant_id == tenant_id).order_by(ApiKey.id)))
 
 
+# Keys that authenticated in the last second, so a burst of requests does not query SQL per request.
+# Revoking a key here drops the cache at once; another gateway process honours a revocation within AUTH_TTL.
+AUTH_TTL = 1.0
+_recent: dict[tuple[str, str], tuple[float, Principal]] = {}  # (database url, key hash) → (expiry, who)
+_recent_lock = threading.Lock()
+
+
+def recently_authenticated(db: Database, key: str) -> Principal | None:
+    """The principal of a key that authenticated less than AUTH_TTL ago (no SQL: safe on the event loop)."""
+    hit = _recent.get((db.url, hash_key(key)))
+    return hit[1] if hit is not None and hit[0] > time.monotonic() else None
+
+
 def authenticate(db: Database, key: str) -> Principal | None:
     if not key.startswith(KEY_PREFIX) or len(key) <= PREFIX_LEN:
         return None
+    who = _authenticate(db, key)
+    if who is not None:
+        with _recent_lock:
+            if len(_recent) > 10_000:  # bounded: many distinct keys just fall back to SQL
+                _recent.clear()
+            _recent[(db.url, hash_key(key))] = (time.monotonic() + AUTH_TTL, who)
+    return who
+
+
+def _authenticate(db: Database, key: str) -> Principal | None:
     with db.session() as s:
         row = s.execute(
             select(ApiKey, Tenant).join(Tenant, Tenant.id == ApiKey.tenant_id).where(ApiKey.prefix == key[:PREFIX_LEN])

@@ -85,3 +85,22 @@ def test_usage_is_spooled_when_the_database_is_down_and_replayed(database: Datab
     with database.session() as s:
         (row,) = s.scalars(sa.select(Usage))
         assert (row.request_id, row.status, row.completion_tokens) == ("req-2", "aborted", 4)
+
+
+def test_recent_keys_skip_sql_for_a_second_and_revocation_drops_them(database: Database) -> None:
+    import time
+
+    from gateway import tenants
+
+    issued = create_tenant(database, "acme")
+    assert tenants.recently_authenticated(database, issued.key) is None
+    who = authenticate(database, issued.key)
+    assert tenants.recently_authenticated(database, issued.key) == who
+    revoke_key(database, issued.prefix)  # here: at once
+    assert tenants.recently_authenticated(database, issued.key) is None and authenticate(database, issued.key) is None
+    other = create_key(database, "acme")
+    authenticate(database, other.key)
+    with database.session() as s:  # revoked by another process: honoured within AUTH_TTL
+        s.execute(sa.update(ApiKey).where(ApiKey.prefix == other.prefix).values(revoked_at=sa.func.now()))
+    time.sleep(tenants.AUTH_TTL + 0.05)
+    assert tenants.recently_authenticated(database, other.key) is None and authenticate(database, other.key) is None
