@@ -100,13 +100,15 @@ def _record(items: list[Item]) -> str:
 class RedisCounters:
     def __init__(self, url: str, namespace: str = "sb", max_connections: int = 64) -> None:
         # A blocking pool: a burst of requests waits for a connection instead of failing with "Too many".
-        # Short socket timeouts: a dead Redis must cost a request a fraction of a second, not minutes.
+        # Bounded socket timeouts: a dead Redis must cost a request about a second, not minutes; the connect
+        # timeout is not shorter because a burst opening the whole pool at once on a busy machine can take
+        # a few hundred ms, and a timeout here fails budgeted requests closed (the caches use 0.25 s: a miss).
         pool = aioredis.BlockingConnectionPool.from_url(
             url,
             max_connections=max_connections,
             timeout=30,
             decode_responses=True,
-            socket_connect_timeout=0.25,
+            socket_connect_timeout=1.0,
             socket_timeout=2.0,
         )
         self.redis = aioredis.Redis(connection_pool=pool)
