@@ -108,9 +108,7 @@ class Generation:
         try:
             stream = self.engine.open(self.requests)
         except EngineUnavailable:  # stopped between start() and now: nothing ran, nothing to record
-            with anyio.CancelScope(shield=True):
-                self.charged = True
-                await self.budgets.settle(self.reservation, Decimal(0), 0)
+            await self._release()
             raise _unavailable(self.model) from None
         try:
             async for out in stream:
@@ -226,9 +224,13 @@ class Generation:
         """Give back the reservation of a generation that never ran (its client left first)."""
         if self.status == "pending" and not self.charged:
             self.status = "abandoned"
-            self.charged = True
-            with anyio.CancelScope(shield=True):
-                await self.budgets.settle(self.reservation, Decimal(0), 0)
+            await self._release()
+
+    async def _release(self) -> None:
+        """Settle the reservation to nothing: the request never ran."""
+        self.charged = True
+        with anyio.CancelScope(shield=True):
+            await self.budgets.settle(self.reservation, Decimal(0), 0)
 
 
 class Pipeline:

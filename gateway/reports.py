@@ -11,12 +11,13 @@ from typing import Any, Literal
 
 from sqlalchemy import func, select
 
+from gateway import ledger
 from gateway.db.database import Database
 from gateway.db.models import Tenant, UsageDaily
 
 GroupBy = Literal["day", "tier", "model"]
-COUNTS = ("requests", "prompt_tokens", "cached_prompt_tokens", "completion_tokens", "draft_proposed", "draft_accepted")
-AMOUNTS = ("cost", "counterfactual_cost")
+COUNTS = ("requests", *ledger.COUNTS)
+AMOUNTS = ledger.AMOUNTS[:2]  # cost and counterfactual; the savings are reported by lever
 LEVERS = ("cache", "routing", "speculation", "verifier", "policy")
 
 

@@ -179,8 +179,8 @@ class Budgets:
         """Rewrite every spend counter of the current day and month as SQL's total plus the
         reservations still in flight; reservations older than `stale_after` seconds (a crashed
         process's) are dropped. Returns how many counters were rewritten."""
-        ages = await self.counters.reservation_ages()  # type: ignore[attr-defined]
-        await self.counters.drop([rid for rid, age in ages.items() if age > stale_after])  # type: ignore[attr-defined]
+        ages = await self.counters.reservation_ages()
+        await self.counters.drop([rid for rid, age in ages.items() if age > stale_after])
         in_flight: dict[str, int] = {}
         for items in (await self.counters.outstanding()).values():
             for key, amount in items:
