@@ -209,7 +209,7 @@ def main() -> None:
         result = replay_trace(base, key, trace, rng)
         server.should_exit = True  # type: ignore[attr-defined]
         thread.join(30)
-        _cleanup_redis(settings.redis_url, settings.redis_namespace)
+        services.delete_namespace(settings.redis_url, settings.redis_namespace)
 
     kv = kv_tier_ttft(home)
     print(f"\nResponse cache, {result['requests']} requests ({result['distinct']} distinct questions; a perfect"
@@ -229,20 +229,10 @@ def main() -> None:
     print(json.dumps(summary))
 
 
-def _cleanup_redis(url: str | None, namespace: str) -> None:
-    import redis
-
-    client = redis.Redis.from_url(url or "redis://127.0.0.1:6379/0")
-    keys = list(client.scan_iter(f"{namespace}:*", count=1000))
-    if keys:
-        client.delete(*keys)
-    client.close()
-
-
 def kv_tier_ttft(home: Path) -> dict[str, float]:
     """TTFT of a ~1,000-token shared system prompt in a fresh engine, with the Redis KV tier against
     without (bench/kv_tier.py, SmolLM2-135M as in the trace)."""
-    from kv_tier import _cleanup, measure
+    from kv_tier import measure
 
     import services
 
@@ -251,7 +241,7 @@ def kv_tier_ttft(home: Path) -> dict[str, float]:
     try:
         r = measure(model, "auto", services.redis_url(), namespace, repeats=3)
     finally:
-        _cleanup(services.redis_url(), namespace)
+        services.delete_namespace(services.redis_url(), namespace)
     return {k: float(v) for k, v in r.items() if isinstance(v, int | float)}
 
 

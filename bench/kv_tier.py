@@ -20,6 +20,7 @@ import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from common import THREADS, say
 
 from engines.engine import Engine, EngineConfig
@@ -28,6 +29,7 @@ from engines.model_loader import load_model
 from engines.request import EngineRequest
 from engines.sampling import SamplingParams
 from engines.tokenizer import Tokenizer
+from services import delete_namespace
 
 MODELS_HOME = Path("~/.cache/switchboard/models").expanduser()
 CASES = (  # (label, directory, KV cache dtype)
@@ -106,16 +108,6 @@ def measure(model_dir: Path, kv_cache_dtype: str, redis_url: str, namespace: str
     }
 
 
-def _cleanup(url: str, namespace: str) -> None:
-    import redis
-
-    client = redis.Redis.from_url(url)
-    keys = list(client.scan_iter(f"{namespace}:*", count=1000))
-    if keys:
-        client.delete(*keys)
-    client.close()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--redis", default="redis://127.0.0.1:6379/0")
@@ -132,7 +124,7 @@ def main() -> None:
         try:
             results[label] = measure(model_dir, kv_dtype, args.redis, namespace, args.repeats)
         finally:
-            _cleanup(args.redis, namespace)
+            delete_namespace(args.redis, namespace)
     print(f"\nKV tier, ~1,000-token system prompt, fresh engine, OMP_NUM_THREADS={THREADS}")
     print("| model | prompt | blocks | bytes read | TTFT cold | TTFT tier | fetch+copy | speedup |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")

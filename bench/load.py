@@ -287,7 +287,7 @@ def start_gateway(home: Path, sqlite: bool, log: Path) -> Gateway:
         db_url, drop = services.create_database(services.postgres_url())
         cleanups.append(drop)
     redis_url, namespace = services.redis_url(), f"sbbench-load-{uuid.uuid4().hex[:8]}"
-    cleanups.append(lambda: _cleanup_redis(redis_url, namespace))
+    cleanups.append(lambda: services.delete_namespace(redis_url, namespace))
     cleanups.append(services.stop_all)
 
     db = Database(db_url)
@@ -355,16 +355,6 @@ def start_gateway(home: Path, sqlite: bool, log: Path) -> Gateway:
             raise RuntimeError(f"the gateway did not become healthy; see {log}")
         time.sleep(0.25)
     return Gateway(url, issued.key, proc.pid, stop)
-
-
-def _cleanup_redis(url: str, namespace: str) -> None:
-    import redis
-
-    r = redis.Redis.from_url(url)
-    keys = list(r.scan_iter(f"{namespace}:*", count=1000))
-    if keys:
-        r.delete(*keys)
-    r.close()
 
 
 # --- report ----------------------------------------------------------------------------------------

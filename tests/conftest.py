@@ -15,7 +15,7 @@ import pytest
 
 import services
 from engines.async_engine import AsyncEngine
-from live import LiveServer, start_server
+from live import LiveServer, serve_gateway
 
 # Tests build their settings explicitly; nothing from the developer's shell or a switchboard.toml leaks in.
 for _name in list(os.environ):
@@ -109,13 +109,7 @@ def redis_namespace() -> Iterator[str]:
 
     ns = f"sbtest-{uuid.uuid4().hex[:10]}"
     yield ns
-    import redis
-
-    client = redis.Redis.from_url(services.redis_url())
-    keys = list(client.scan_iter(f"{ns}:*", count=1000))
-    if keys:
-        client.delete(*keys)
-    client.close()
+    services.delete_namespace(services.redis_url(), ns)
 
 
 # --- engines and live servers ------------------------------------------------------------------------
@@ -137,22 +131,14 @@ def live_server(
     request: pytest.FixtureRequest, small_engine: AsyncEngine, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LiveServer]:
     """The gateway on a real port, serving SmolLM2 as `small`, on SQLite and on PostgreSQL."""
-    from gateway.app import create_app
-    from gateway.db.database import Database
-    from gateway.settings import Settings
-
     home = tmp_path_factory.mktemp("home")
     if request.param == "sqlite":
         url, drop = f"sqlite:///{home / 'switchboard.db'}", None
     else:
         server_url = request.getfixturevalue("postgres_server")
         url, drop = services.create_database(server_url)
-    db = Database(url)
-    settings = Settings(home=home, database_url=url, max_request_bytes=256 * 1024, tiers={"small": {"model": "unused"}})
-    app = create_app(settings, engines={"small": small_engine}, database=db)
-    live, stop = start_server(app, db)
+    live, stop = serve_gateway(small_engine, home, url, max_request_bytes=256 * 1024)
     yield live
     stop()
-    db.dispose()
     if drop:
         drop()

@@ -7,11 +7,14 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import sqlalchemy as sa
 from fastapi import FastAPI
 
 import services
+from engines.async_engine import AsyncEngine
 from gateway.db.database import Database
 from gateway.db.models import Usage
 from gateway.tenants import create_tenant
@@ -61,3 +64,28 @@ def start_server(app: FastAPI, db: Database) -> tuple[LiveServer, Callable[[], N
         thread.join(30)
 
     return LiveServer(f"http://127.0.0.1:{port}", db, app), stop
+
+
+def serve_gateway(
+    engine: AsyncEngine, home: Path, database_url: str, **settings: Any
+) -> tuple[LiveServer, Callable[[], None]]:
+    """The gateway over `engine` as tier `small`, on a real port; Redis keys (if `redis_url` is given) under a
+    namespace of its own. The returned function stops it and closes its database connections."""
+    from gateway.app import create_app
+    from gateway.settings import Settings
+
+    db = Database(database_url)
+    config = Settings(
+        home=home,
+        database_url=database_url,
+        redis_namespace=f"sbtest-{uuid.uuid4().hex[:10]}",
+        tiers={"small": {"model": "unused"}},
+        **settings,
+    )
+    live, stop = start_server(create_app(config, engines={"small": engine}, database=db), db)
+
+    def close() -> None:
+        stop()
+        db.dispose()
+
+    return live, close

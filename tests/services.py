@@ -53,6 +53,17 @@ def redis_url() -> str:
     return _throwaway_redis()
 
 
+def delete_namespace(url: str, namespace: str) -> None:
+    """Delete every Redis key under `namespace:` (tests and benchmarks keep apart by namespace, never flush)."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    keys = list(client.scan_iter(f"{namespace}:*", count=1000))
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
 def stop_all() -> None:
     while _cleanups:
         _cleanups.pop()()

@@ -18,7 +18,7 @@ import services
 from engines.async_engine import AsyncEngine
 from gateway.db.models import Usage
 from gateway.tenants import authenticate
-from live import LiveServer, start_server
+from live import LiveServer, serve_gateway
 from policies.policy import Policy
 from policies.pricing import Tokens, charge
 
@@ -32,31 +32,14 @@ POLICY = {"prices": PRICES, "counterfactual_tier": "small"}
 def server(
     request: pytest.FixtureRequest, small_engine: AsyncEngine, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LiveServer]:
-    import uuid
-
-    from gateway.app import create_app
-    from gateway.db.database import Database
-    from gateway.settings import Settings
-
     home = tmp_path_factory.mktemp("home")
     if request.param == "sqlite":
         url, drop = f"sqlite:///{home / 'switchboard.db'}", None
     else:
         url, drop = services.create_database(request.getfixturevalue("postgres_server"))
-    redis_url = request.getfixturevalue("redis_server")
-    db = Database(url)
-    settings = Settings(
-        home=home,
-        database_url=url,
-        redis_url=redis_url,
-        redis_namespace=f"sbtest-{uuid.uuid4().hex[:10]}",
-        tiers={"small": {"model": "unused"}},
-    )
-    app = create_app(settings, engines={"small": small_engine}, database=db)
-    live, stop = start_server(app, db)
+    live, stop = serve_gateway(small_engine, home, url, redis_url=request.getfixturevalue("redis_server"))
     yield live
     stop()
-    db.dispose()
     if drop:
         drop()
 

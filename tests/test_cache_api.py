@@ -7,8 +7,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import time
-import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from decimal import Decimal
 from pathlib import Path
 
@@ -18,27 +17,14 @@ import pytest
 import services
 from engines.async_engine import AsyncEngine
 from gateway.tenants import authenticate
-from live import LiveServer, start_server
+from live import LiveServer, serve_gateway
 from policies.policy import Policy
 
 QUESTION = [{"role": "user", "content": "Name the capital of France."}]
 
 
-def gateway(small_engine: AsyncEngine, home: Path, redis_url: str) -> tuple[LiveServer, object]:
-    from gateway.app import create_app
-    from gateway.db.database import Database
-    from gateway.settings import Settings
-
-    url = f"sqlite:///{home / 'switchboard.db'}"
-    db = Database(url)
-    settings = Settings(
-        home=home,
-        database_url=url,
-        redis_url=redis_url,
-        redis_namespace=f"sbtest-{uuid.uuid4().hex[:10]}",
-        tiers={"small": {"model": "unused"}},
-    )
-    return start_server(create_app(settings, engines={"small": small_engine}, database=db), db)
+def gateway(small_engine: AsyncEngine, home: Path, redis_url: str) -> tuple[LiveServer, Callable[[], None]]:
+    return serve_gateway(small_engine, home, f"sqlite:///{home / 'switchboard.db'}", redis_url=redis_url)
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +33,7 @@ def server(
 ) -> Iterator[LiveServer]:
     live, stop = gateway(small_engine, tmp_path_factory.mktemp("home"), redis_server)
     yield live
-    stop()  # type: ignore[operator]
-    live.db.dispose()
+    stop()
 
 
 def tenant(live: LiveServer, **cache: object) -> tuple[httpx.Client, int]:
@@ -174,6 +159,5 @@ def test_redis_down_mid_test_serves_every_request_and_recovers(small_engine: Asy
         spent = sum((r.cost for r in rows), Decimal(0))
         assert spent > 0
     finally:
-        stop()  # type: ignore[operator]
-        live.db.dispose()
+        stop()
         redis_proc.kill()
