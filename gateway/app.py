@@ -77,6 +77,7 @@ def create_app(
             if engines is None:  # engines passed in belong to the caller
                 for engine in set(running.values()):
                     engine.shutdown()
+            await ledger.aclose()
             await counters.close()
             await cache.close()
             if database is None:

@@ -3,26 +3,31 @@
 The request id is the primary key, so a second row for a request cannot exist. The row and its
 rollup increment commit in one transaction, so the rollup always equals the sum of the raw rows and
 reports never scan them. If the database is unreachable the row goes to a spool file under the home
-directory and is replayed (rollup included) on the next start: usage is never dropped.
+directory, drained (rollup included) as soon as the database answers again: usage is never dropped.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
+import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+import anyio
 from sqlalchemy import func, insert, select
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from gateway.db.database import Database
 from gateway.db.models import Usage, UsageDaily, utcnow
+from gateway.usage_spool import UsageSpool
 
 log = logging.getLogger(__name__)
 
@@ -103,45 +108,161 @@ _INSERT_USAGE = insert(Usage)
 
 
 def add(session: Session, rec: UsageRecord) -> None:
-    """The usage row and its rollup increment, in the caller's transaction (Core statements: the
-    ORM's unit of work would double the time of the one write on every request's path)."""
-    row = asdict(rec)
-    session.execute(_INSERT_USAGE, row)  # a duplicate request id fails here, before the rollup is touched
-    day = {"tenant_id": rec.tenant_id, "day": rec.created_at.date(), "tier": rec.tier, "model": rec.model}
-    session.execute(
-        _rollup_upsert(session.bind.dialect.name),  # type: ignore[union-attr]
-        {**day, "requests": 1, **{k: row[k] for k in (*COUNTS, *AMOUNTS)}},
-    )
+    """One usage row and its rollup increment, in the caller's transaction."""
+    add_many(session, [rec])
+
+
+def add_many(session: Session, recs: list[UsageRecord]) -> None:
+    """Usage rows and their rollup increments, in the caller's transaction: one executemany insert and
+    one upsert per (tenant, day, tier, model), in key order so concurrent replicas lock rollup rows in
+    the same order (no deadlocks). Core statements: the ORM's unit of work doubles the time."""
+    rows = [asdict(r) for r in recs]
+    session.execute(_INSERT_USAGE, rows)  # a duplicate request id fails here, before the rollup is touched
+    sums: dict[tuple, dict[str, Any]] = {}
+    for rec, row in zip(recs, rows, strict=True):
+        key = (rec.tenant_id, rec.created_at.date(), rec.tier, rec.model)
+        if (acc := sums.get(key)) is None:
+            day = {"tenant_id": rec.tenant_id, "day": key[1], "tier": rec.tier, "model": rec.model}
+            sums[key] = {**day, "requests": 1, **{k: row[k] for k in (*COUNTS, *AMOUNTS)}}
+        else:
+            acc["requests"] += 1
+            for k in (*COUNTS, *AMOUNTS):
+                acc[k] += row[k]
+    upsert = _rollup_upsert(session.bind.dialect.name)  # type: ignore[union-attr]
+    for key in sorted(sums):
+        session.execute(upsert, sums[key])
 
 
 class Ledger:
+    """Writes usage rows. `write` (the request path) group-commits: rows that arrive while a commit runs
+    go together in the next transaction, one thread hop per batch, and each caller returns once its row
+    is committed or spooled. When the database is down rows go to the spool (fsynced), which is
+    drained in the background as soon as it answers again, and on every start."""
+
+    MAX_BATCH = 512
+    DRAIN_EVERY = (1.0, 10.0)  # seconds between drain attempts while the spool has rows: first, most
+
     def __init__(self, db: Database, spool: Path) -> None:
         self.db = db
-        self.spool = spool
+        self.spool = UsageSpool(spool)
+        self._pending: list[tuple[UsageRecord, asyncio.Future[None]]] = []
+        self._wake: asyncio.Event | None = None
+        self._writer: asyncio.Task[None] | None = None
+        self._closing = False
+        self._drain_wait = self.DRAIN_EVERY[0]
+        self._next_drain = 0.0
+
+    # --- the request path ---------------------------------------------------------------------------
+
+    async def write(self, rec: UsageRecord) -> None:
+        """Commit `rec` (or spool it if the database is down). Cancelling the caller does not cancel
+        the write. Raises IntegrityError for a request id that is already stored."""
+        loop = asyncio.get_running_loop()
+        if self._writer is None or self._writer.done():
+            self._wake = asyncio.Event()
+            self._writer = loop.create_task(self._run(), name="ledger-writer")
+        done = loop.create_future()
+        self._pending.append((rec, done))
+        assert self._wake is not None
+        self._wake.set()
+        await asyncio.shield(done)
+
+    async def aclose(self) -> None:
+        """Write what is queued, try the spool once more, stop the writer."""
+        self._closing = True
+        if self._writer is not None and not self._writer.done():
+            assert self._wake is not None
+            self._wake.set()
+            await self._writer
+
+    async def _run(self) -> None:
+        assert self._wake is not None
+        while True:
+            if not self._pending:
+                if self._closing:
+                    await anyio.to_thread.run_sync(self._drain_quietly)
+                    return
+                self._wake.clear()
+                timeout = max(0.0, self._next_drain - time.monotonic()) if self.spool else None
+                with contextlib.suppress(TimeoutError):  # time to retry the spool
+                    await asyncio.wait_for(self._wake.wait(), timeout)
+            batch, self._pending = self._pending[: self.MAX_BATCH], self._pending[self.MAX_BATCH :]
+            if batch:
+                try:
+                    errors = await anyio.to_thread.run_sync(self._commit, [r for r, _ in batch])
+                except BaseException as exc:  # the writer must outlive anything one batch does
+                    errors = [exc] * len(batch)
+                for (_, done), error in zip(batch, errors, strict=True):
+                    if done.done():
+                        continue
+                    if error is None:
+                        done.set_result(None)
+                    else:
+                        done.set_exception(error)
+            if self.spool and time.monotonic() >= self._next_drain:
+                await anyio.to_thread.run_sync(self._drain_quietly)
+
+    def _commit(self, recs: list[UsageRecord]) -> list[BaseException | None]:
+        """One transaction for the batch; per-row ones only if some request id is already stored."""
+        try:
+            with self.db.session() as s:
+                add_many(s, recs)
+            return [None] * len(recs)
+        except IntegrityError:
+            return [self._record_one(r) for r in recs]
+        except Exception:
+            self._spool(recs)
+            return [None] * len(recs)
+
+    def _record_one(self, rec: UsageRecord) -> BaseException | None:
+        try:
+            self.record(rec)
+            return None
+        except IntegrityError as exc:
+            log.error("usage for %s is already recorded; not writing it twice", rec.request_id)
+            return exc
+
+    # --- synchronous use (CLI, benches, tests) ------------------------------------------------------
 
     def record(self, rec: UsageRecord) -> None:
+        """Commit one row now, or spool it if the database is down; IntegrityError if already stored."""
         try:
             with self.db.session() as s:
                 add(s, rec)
-        except OperationalError:
-            log.exception("usage for %s could not be written; spooling it to %s", rec.request_id, self.spool)
-            self.spool.parent.mkdir(parents=True, exist_ok=True)
-            with self.spool.open("a") as f:
-                f.write(rec.to_json() + "\n")
+        except IntegrityError:
+            raise
+        except Exception:
+            self._spool([rec])
 
     def replay_spool(self) -> int:
-        """Write spooled rows (skipping any already stored); returns how many were added."""
-        if not self.spool.exists():
-            return 0
-        added = 0
-        for line in self.spool.read_text().splitlines():
-            rec = UsageRecord.from_json(line)
-            with self.db.session() as s:
-                if s.scalar(select(Usage.request_id).where(Usage.request_id == rec.request_id)) is None:
-                    add(s, rec)
-                    added += 1
-        self.spool.unlink()
-        return added
+        """Write spooled rows (skipping any already stored) and empty the spool; returns how many were
+        spooled. Raises if the database is still unreachable (the spool is kept)."""
+        return self.spool.drain(self._write_spooled)
+
+    def _spool(self, recs: list[UsageRecord]) -> None:
+        log.exception("usage for %d request(s) could not be written; spooling to %s", len(recs), self.spool.path)
+        self.spool.append([r.to_json() for r in recs])
+        self._next_drain = time.monotonic() + self._drain_wait
+
+    def _drain_quietly(self) -> None:
+        try:
+            if n := self.replay_spool():
+                log.warning("wrote %d spooled usage rows to the database", n)
+            self._drain_wait = self.DRAIN_EVERY[0]
+        except Exception:
+            self._drain_wait = min(self._drain_wait * 2, self.DRAIN_EVERY[1])
+            log.warning("the usage spool could not be written yet; next try in %.0f s", self._drain_wait)
+        self._next_drain = time.monotonic() + self._drain_wait
+
+    def _write_spooled(self, lines: list[str]) -> None:
+        recs = {r.request_id: r for r in map(UsageRecord.from_json, lines)}
+        ids = list(recs)
+        for first in range(0, len(ids), self.MAX_BATCH):
+            chunk = ids[first : first + self.MAX_BATCH]
+            with self.db.session() as s:  # a chunk per transaction: a long spool does not hold locks long
+                stored = set(s.scalars(select(Usage.request_id).where(Usage.request_id.in_(chunk))))
+                if new := [recs[i] for i in chunk if i not in stored]:
+                    add_many(s, new)
 
 
 def rebuild_rollup(db: Database) -> int:
