@@ -213,7 +213,7 @@ class Generation:
         self.charged = True
         if self.metrics is not None:
             self.metrics.record_request(rec, self.ttft, seconds)
-        await anyio.to_thread.run_sync(self.ledger.record, rec)
+        await self.ledger.write(rec)  # group-committed with concurrent requests' rows
         await self.budgets.settle(self.reservation, price.cost, tokens.prompt + tokens.completion)
 
     @property
