@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -43,6 +44,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -80,6 +82,7 @@ class HitResult:
     errors: int = 0
     error_examples: list[str] = field(default_factory=list)
     elapsed_s: float = 0.0
+    gateway_cpu_ms: float | None = None  # own gateway: its CPU time per request (threads included)
 
     def merge(self, other: HitResult) -> None:
         self.latencies_ms += other.latencies_ms
@@ -96,64 +99,119 @@ def client(url: str, key: str, concurrency: int, timeout: float = 60) -> httpx.A
     )
 
 
+class KeepAlive:
+    """One HTTP/1.1 keep-alive connection that speaks just enough of the protocol for the hit path: a
+    fixed request, answers with a Content-Length. httpx spends more CPU per request than the gateway's
+    whole hit path does; on 2 shared cores it, not the gateway, would be what this measures."""
+
+    def __init__(self, url: str, request: bytes) -> None:
+        parsed = httpx.URL(url)
+        self.host, self.port = parsed.host, parsed.port or 80
+        self.request = request
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def send(self) -> tuple[int, dict[str, str], bytes]:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        assert self.reader is not None
+        try:
+            self.writer.write(self.request)
+            head = (await self.reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+            status = int(head[0].split(" ", 2)[1])
+            headers = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in head[1:] if h)}
+            body = await self.reader.readexactly(int(headers.get("content-length", "0")))
+        except BaseException:
+            self.close()
+            raise
+        if headers.get("connection", "").lower() == "close":
+            self.close()
+        return status, headers, body
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
+
+
+def hit_request(url: str, key: str) -> bytes:
+    body = json.dumps(HIT_BODY).encode()
+    host = httpx.URL(url).netloc.decode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
 async def hit_load(
     url: str, key: str, concurrency: int, duration: float, rate: float | None, progress: bool = True
 ) -> HitResult:
     res = HitResult()
-    body = json.dumps(HIT_BODY).encode()
-    headers = {"content-type": "application/json"}
+    request = hit_request(url, key)
     next_k = 0
-    async with client(url, key, concurrency) as http:
-        t0 = time.perf_counter()
-        end = t0 + duration
+    t0 = time.perf_counter()
+    end = t0 + duration
 
-        async def worker() -> None:
-            nonlocal next_k
-            while True:
-                if rate is None:
-                    due = time.perf_counter()
-                    if due >= end:
-                        return
-                else:
-                    k, next_k = next_k, next_k + 1
-                    due = t0 + k / rate
-                    if due >= end:
-                        return
-                    if (wait := due - time.perf_counter()) > 0:
-                        await asyncio.sleep(wait)
-                try:
-                    r = await http.post("/v1/chat/completions", content=body, headers=headers)
-                    ms = (time.perf_counter() - due) * 1000
-                except httpx.HTTPError as exc:
-                    res.errors += 1
-                    if len(res.error_examples) < 5:
-                        res.error_examples.append(f"{type(exc).__name__}: {exc}")
-                    continue
-                if r.status_code != 200:
-                    res.errors += 1
-                    if len(res.error_examples) < 5:
-                        res.error_examples.append(f"HTTP {r.status_code}: {r.text[:200]}")
-                elif r.headers.get("x-switchboard-cache") != "hit":
-                    res.non_hits += 1
-                else:
-                    res.latencies_ms.append(ms)
+    async def worker() -> None:
+        nonlocal next_k
+        conn = KeepAlive(url, request)
+        while True:
+            if rate is None:
+                due = time.perf_counter()
+                if due >= end:
+                    break
+            else:
+                k, next_k = next_k, next_k + 1
+                due = t0 + k / rate
+                if due >= end:
+                    break
+                if (wait := due - time.perf_counter()) > 0:
+                    await asyncio.sleep(wait)
+            try:
+                status, headers, body = await conn.send()
+                ms = (time.perf_counter() - due) * 1000
+            except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
+                res.errors += 1
+                if len(res.error_examples) < 5:
+                    res.error_examples.append(f"{type(exc).__name__}: {exc}")
+                continue
+            if status != 200:
+                res.errors += 1
+                if len(res.error_examples) < 5:
+                    res.error_examples.append(f"HTTP {status}: {body[:200]!r}")
+            elif headers.get("x-switchboard-cache") != "hit":
+                res.non_hits += 1
+            else:
+                res.latencies_ms.append(ms)
+        conn.close()
 
-        async def ticker() -> None:
-            while True:
-                await asyncio.sleep(3)
-                done = len(res.latencies_ms) + res.non_hits + res.errors
-                say(f"  hit: {time.perf_counter() - t0:5.1f}s  {done} requests  {res.errors} errors")
+    async def ticker() -> None:
+        while True:
+            await asyncio.sleep(3)
+            done = len(res.latencies_ms) + res.non_hits + res.errors
+            say(f"  hit: {time.perf_counter() - t0:5.1f}s  {done} requests  {res.errors} errors")
 
-        tick = asyncio.create_task(ticker()) if progress else None
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        res.elapsed_s = time.perf_counter() - t0
-        if tick:
-            tick.cancel()
+    tick = asyncio.create_task(ticker()) if progress else None
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    res.elapsed_s = time.perf_counter() - t0
+    if tick:
+        tick.cancel()
     return res
 
 
+def run_async(coro: Any) -> Any:
+    """uvloop where installed: the load generator should cost as little CPU as it can."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
+
+
 def _hit_proc(url: str, key: str, concurrency: int, duration: float, rate: float | None, first: bool) -> HitResult:
-    return asyncio.run(hit_load(url, key, concurrency, duration, rate, progress=first))
+    return run_async(hit_load(url, key, concurrency, duration, rate, progress=first))
 
 
 def run_hit(url: str, key: str, concurrency: int, duration: float, rate: float | None, procs: int) -> HitResult:
@@ -163,7 +221,7 @@ def run_hit(url: str, key: str, concurrency: int, duration: float, rate: float |
     again = httpx.post(f"{url}/v1/chat/completions", json=HIT_BODY, headers={"Authorization": f"Bearer {key}"})
     say(f"warm-up: first {warm.headers.get('x-switchboard-cache')}, then {again.headers.get('x-switchboard-cache')}")
     if procs <= 1:
-        return asyncio.run(hit_load(url, key, concurrency, duration, rate))
+        return run_async(hit_load(url, key, concurrency, duration, rate))
     shares = [concurrency // procs + (i < concurrency % procs) for i in range(procs)]
     with ProcessPoolExecutor(procs, mp_context=get_context("spawn")) as pool:
         futures = [
@@ -271,7 +329,13 @@ class Gateway:
     stop: Callable[[], None]
 
 
-def start_gateway(home: Path, sqlite: bool, log: Path) -> Gateway:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process and its threads so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def start_gateway(home: Path, sqlite: bool, log: Path, cprofile: Path | None = None) -> Gateway:
     import services
     from gateway.db.database import Database
     from gateway.tenants import create_tenant
@@ -322,12 +386,19 @@ def start_gateway(home: Path, sqlite: bool, log: Path) -> Gateway:
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
         "PYTHONPATH": str(ROOT),
     }
-    cmd = [sys.executable, "-c", "import sys; from gateway.cli import main; sys.exit(main(['serve']))"]
+    serve = "import sys; from gateway.cli import main; sys.exit(main(['serve']))"
+    if cprofile is not None:  # the event loop's thread only; stats are written when the server stops
+        serve = (
+            "import cProfile; from gateway.cli import main; prof = cProfile.Profile(); prof.enable()\n"
+            f"try:\n    main(['serve'])\nfinally:\n    prof.disable(); prof.dump_stats({str(cprofile)!r})"
+        )
+    cmd = [sys.executable, "-c", serve]
     out = log.open("w")
     proc = subprocess.Popen(cmd, env=env, cwd=tmp.name, stdout=out, stderr=subprocess.STDOUT)
 
     def stop() -> None:
-        proc.terminate()
+        # uvicorn re-raises the signal it stopped on: SIGINT lets the profiling wrapper's `finally` run
+        proc.send_signal(signal.SIGINT if cprofile else signal.SIGTERM)
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
@@ -374,6 +445,9 @@ def report(args: argparse.Namespace, hit: HitResult | None, stream: StreamResult
         summary |= {"hit_rps": round(rps, 1), "hit_p50_ms": round(p50, 2), "hit_p90_ms": round(p90, 2),
                     "hit_p99_ms": round(p99, 2), "hit_requests": len(lat), "hit_errors": hit.errors,
                     "hit_non_hits": hit.non_hits}  # fmt: skip
+        if hit.gateway_cpu_ms is not None:
+            say(f"  gateway CPU per hit: {hit.gateway_cpu_ms:.2f} ms")
+            summary["hit_gateway_cpu_ms"] = round(hit.gateway_cpu_ms, 3)
         for e in hit.error_examples:
             say(f"  hit error: {e}")
     if stream is not None:
@@ -406,6 +480,7 @@ def main() -> None:
     p.add_argument("--sqlite", action="store_true", help="own gateway: SQLite instead of PostgreSQL")
     p.add_argument("--home", type=Path, default=Path("~/.cache/switchboard"))
     p.add_argument("--pause", type=float, default=0, help="seconds to wait before the hit load (to attach a profiler)")
+    p.add_argument("--cprofile", type=Path, help="own gateway: profile its event loop into this file (pstats)")
     args = p.parse_args()
     if bool(args.url) != bool(args.key):
         p.error("--url and --key go together")
@@ -416,7 +491,7 @@ def main() -> None:
     else:
         log = Path(tempfile.gettempdir()) / f"sb-bench-load-{os.getpid()}.log"
         say(f"starting a gateway ({'SQLite' if args.sqlite else 'PostgreSQL'}, Redis, tiny profile); log {log}")
-        gw = start_gateway(args.home.expanduser(), args.sqlite, log)
+        gw = start_gateway(args.home.expanduser(), args.sqlite, log, args.cprofile)
         url, key = gw.url, gw.key
         say(f"gateway pid {gw.pid} at {url}")
     try:
@@ -426,7 +501,10 @@ def main() -> None:
                 say(f"pausing {args.pause:g}s")
                 time.sleep(args.pause)
             say(f"hit path: {args.concurrency} clients for {args.duration:g}s")
+            cpu = cpu_seconds(gw.pid) if gw else None
             hit = run_hit(url, key, args.concurrency, args.duration, args.rate, args.procs)
+            if gw is not None and cpu is not None and hit.latencies_ms:
+                hit.gateway_cpu_ms = (cpu_seconds(gw.pid) - cpu) * 1000 / (len(hit.latencies_ms) + hit.non_hits + 2)
         if args.mode in ("stream", "both"):
             say(f"engine path: {args.concurrency} concurrent streams of {args.max_tokens} tokens")
             stream = asyncio.run(stream_load(url, key, args.concurrency, args.max_tokens))
