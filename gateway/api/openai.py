@@ -86,7 +86,9 @@ async def _respond(
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EventStreamResponse(events(gen, include_usage), headers=headers, on_close=gen.abandon)
     try:
-        texts, reasons = await until_disconnect(request, _collect(gen))
+        # A cached answer is ready at once: no generation to abort, so no disconnect watcher to start.
+        work = _collect(gen)
+        texts, reasons = await (work if gen.cache.answer is not None else until_disconnect(request, work))
     except ClientDisconnected:
         return Response(status_code=499)  # nobody is listening; the status is for the access log
     finally:
