@@ -1,4 +1,4 @@
-"""Complexity router: features, training, calibration and evaluation (arrives with the router issue).
+"""Complexity router: labels from our own tiers, features, training, calibration and evaluation.
 
-Until then every request names its tier directly as the `model` it asks for.
+It predicts P(the small tier's answer is good enough) for a conversation; see README "Router".
 """

@@ -1,0 +1,161 @@
+"""A trained router: its classifier, its metadata, saving and loading, and the routing decision.
+
+On disk a router is a directory with `router.joblib` (the scikit-learn pipeline) and `router.json`
+(feature version, classifier, training ids hash, metrics, date, label file, thresholds). joblib is
+pickle: load routers only from directories you wrote. `load_router` refuses a router whose feature
+version differs from this code's, and one whose model file is not the one its metadata names.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from threadpoolctl import ThreadpoolController
+
+from gateway.semantic_cache import Embedder
+from router_model.features import FEATURE_VERSION, Messages, featurize
+
+SMALL, LARGE = "small", "large"
+MODEL_FILE, METADATA_FILE = "router.joblib", "router.json"
+# Probabilities stay inside (0, 1), so a threshold of 0 sends nothing large and 1 sends everything large.
+_EPS = 1e-6
+# A routing decision scores one row: starting OpenMP threads for it costs more than the work (gradient
+# boosting, one row, busy 2-CPU machine: 16 ms on two threads, 1.3 ms on one).
+_FEW_ROWS = 64
+_controller: ThreadpoolController | None = None
+
+
+def _openmp() -> ThreadpoolController:
+    global _controller
+    if _controller is None:  # built on first use, once the classifier's OpenMP runtime is loaded
+        _controller = ThreadpoolController()
+    return _controller
+
+
+class RouterLoadError(ValueError):
+    """A saved router that this code cannot use."""
+
+
+@dataclass
+class Router:
+    """Predicts P(small tier is good enough) and routes: large when it falls below the threshold."""
+
+    classifier: object  # a fitted scikit-learn classifier with predict_proba; class 1 = small_ok
+    metadata: dict = field(default_factory=dict)
+    embedder: Embedder = field(default_factory=Embedder)
+
+    @property
+    def threshold(self) -> float:
+        return float(self.metadata.get("threshold", 0.5))
+
+    def threshold_for(self, tenant: str | None = None) -> float:
+        """The tenant's calibrated threshold where there is one, else the global one."""
+        return float(self.metadata.get("tenant_thresholds", {}).get(tenant, self.threshold))
+
+    def large_share_for(self, tenant: str | None = None) -> float | None:
+        """The share of its calibration prompts that `threshold_for(tenant)` sent large; None if not recorded."""
+        if tenant in self.metadata.get("tenant_thresholds", {}):
+            share = self.metadata.get("tenant_large_shares", {}).get(tenant)
+        else:
+            share = self.metadata.get("large_share")
+        return None if share is None else float(share)
+
+    @property
+    def id(self) -> str:
+        """Names this trained model: a threshold calibrated for one router means nothing to another."""
+        return str(self.metadata.get("model_sha256", ""))
+
+    def p_small_ok(self, conversations: Sequence[Messages]) -> np.ndarray:
+        return self.p_small_ok_features(featurize(conversations, self.embedder))
+
+    def p_small_ok_features(self, features: np.ndarray) -> np.ndarray:
+        return predict_p_small_ok(self.classifier, features)
+
+    def route(self, messages: Messages, threshold: float | None = None) -> tuple[str, float]:
+        """(tier, P(small is good enough)) for one conversation."""
+        p = float(self.p_small_ok([messages])[0])
+        return (LARGE if p < (self.threshold if threshold is None else threshold) else SMALL), p
+
+
+def router_dir(home: Path) -> Path:
+    """Where a router lives by default: under the settings' home (~/.cache/switchboard/router)."""
+    return Path(home).expanduser() / "router"
+
+
+def predict_p_small_ok(classifier: object, features: np.ndarray) -> np.ndarray:
+    """P(small_ok) per row of features from a fitted classifier, kept inside (0, 1)."""
+    if len(features) == 0:
+        return np.zeros(0)
+    if len(features) <= _FEW_ROWS:
+        with _openmp().limit(limits=1, user_api="openmp"):  # this thread's OpenMP only; BLAS untouched
+            proba = classifier.predict_proba(features)  # type: ignore[attr-defined]
+    else:
+        proba = classifier.predict_proba(features)  # type: ignore[attr-defined]
+    column = list(classifier.classes_).index(True)  # type: ignore[attr-defined]
+    return np.clip(proba[:, column], _EPS, 1 - _EPS)
+
+
+def save_router(router: Router, directory: Path) -> Path:
+    """Write the model and its metadata; each file is replaced atomically, the model first."""
+    import joblib
+
+    directory = Path(directory).expanduser()
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / f".{MODEL_FILE}.{os.getpid()}"
+    joblib.dump(router.classifier, tmp)
+    router.metadata["model_sha256"] = _sha256(tmp)
+    os.replace(tmp, directory / MODEL_FILE)
+    write_metadata(router.metadata, directory)
+    return directory
+
+
+def write_metadata(metadata: dict, directory: Path) -> None:
+    tmp = Path(directory) / f".{METADATA_FILE}.{os.getpid()}"
+    tmp.write_text(json.dumps(metadata, indent=2) + "\n")
+    os.replace(tmp, Path(directory) / METADATA_FILE)
+
+
+def read_metadata(directory: Path) -> dict:
+    path = Path(directory).expanduser() / METADATA_FILE
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise RouterLoadError(
+            f"no router at {path.parent} ({METADATA_FILE} missing): run `switchboard router train`"
+        ) from None
+    except json.JSONDecodeError as exc:
+        raise RouterLoadError(f"{path}: not JSON ({exc.msg})") from None
+
+
+def load_router(directory: Path, embedder: Embedder | None = None) -> Router:
+    """The router saved in `directory`; RouterLoadError if its features or files do not match this code."""
+    import joblib
+
+    directory = Path(directory).expanduser()
+    metadata = read_metadata(directory)
+    version = metadata.get("feature_version")
+    if version != FEATURE_VERSION:
+        raise RouterLoadError(
+            f"router at {directory} was trained on features {version!r}, this code computes {FEATURE_VERSION!r}: "
+            "retrain it with `switchboard router train`"
+        )
+    model = directory / MODEL_FILE
+    if not model.exists():
+        raise RouterLoadError(f"router at {directory}: {MODEL_FILE} missing")
+    if metadata.get("model_sha256") != _sha256(model):
+        raise RouterLoadError(f"router at {directory}: {MODEL_FILE} is not the model {METADATA_FILE} describes")
+    return Router(joblib.load(model), metadata, embedder or Embedder())
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
