@@ -1,0 +1,48 @@
+"""Admin view of the learned router: which one is loaded, and drift of its large-tier share.
+
+The operator's admin keys see the whole window and every tenant; another tenant's admin key sees its
+own tenant's window only.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, Field
+
+from gateway.auth import AdminPrincipal
+from gateway.errors import documented
+
+router = APIRouter(prefix="/v1", tags=["admin"], responses=documented(401, 403, 413, 422, 503))
+
+
+class Shares(BaseModel):
+    decisions: int = Field(description="routing decisions in the window (the last 1,000)")
+    large_share: float | None = Field(description="of them, the share sent to the large tier by the router")
+    calibrated_large_share: float | None = Field(
+        description="the share their thresholds were calibrated to send large (mean over decisions that have one)"
+    )
+
+
+class RouterInfo(BaseModel):
+    id: str = Field(description="sha256 of the router's model file")
+    classifier: str | None
+    feature_version: str | None
+    created: str | None
+    threshold: float = Field(description="the global threshold")
+    threshold_from: str | None
+    large_share: float | None = Field(description="the share the global threshold sent large where it was calibrated")
+
+
+class RouterStats(BaseModel):
+    loaded: bool
+    reason: str | None = Field(None, description="why `auto` is unavailable, when no router is loaded")
+    router: RouterInfo | None = None
+    drift: Shares | None = Field(None, description="every tenant's decisions (the operator's keys only)")
+    tenants: dict[str, Shares] = Field(description="per tenant name")
+
+
+@router.get("/admin/router", response_model=RouterStats)
+async def router_stats(request: Request, principal: AdminPrincipal) -> RouterStats:
+    """The loaded router and its drift: large-tier share over the last decisions against the calibrated share."""
+    visible = None if principal.operator else {principal.tenant_name}
+    return RouterStats.model_validate(request.app.state.pipeline.routing.stats(visible))

@@ -1,0 +1,241 @@
+"""The pipeline's routing stage: which tier serves a request that asks for `model: "auto"` (or any
+request of a tenant whose policy says `router.route_all`), and what follows its response.
+
+    decision  P(small is good enough) from the trained router (`router_model.serving`, off the event
+              loop); small if it is at least the tenant's threshold, else large; then the policy's
+              allowed tiers have the last word
+    threshold policy mode "threshold": the policy's own; mode "large_share": the tenant's calibration
+              (from `switchboard router calibrate --tenant`, if made for this router), else the
+              router's per-tenant one (`--prompts --tenant`), else the router's global one
+    afterwards (once the response is out) the conversation is stored for calibration and, for a share
+              of small-tier answers, re-run on the large tier and judged (`router_model.shadow`), as
+              the tenant's policy asks
+
+Drift: every decision goes into a sliding window (global and per tenant) of large calls against the
+share the deciding threshold was calibrated to send (`router_model.drift`), read by `/metrics` and
+`GET /v1/admin/router`. The window records the router's own choice, before the policy's tier
+restriction: it is the prompts that drift, not the policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Coroutine, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import anyio
+
+from engines.protocol import TierEngine
+from gateway.errors import APIError
+from gateway.tenants import Principal
+from policies.policy import Policy
+from router_model.drift import LargeShareWindow, Shares
+from router_model.features import Messages
+from router_model.model import LARGE, SMALL, RouterLoadError
+from router_model.routed_prompts import RoutedPromptStore
+from router_model.serving import RouterService
+from router_model.shadow import Relabeler, ShadowJob
+
+if TYPE_CHECKING:
+    from gateway.pipeline import Generation
+
+log = logging.getLogger(__name__)
+
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    tier: str  # the tier it goes to, after the policy's allowed tiers
+    p_small_ok: float
+    threshold: float
+    threshold_from: str  # policy | tenant | global
+    calibrated_large_share: float | None  # what the threshold was calibrated to send large; None: a fixed one
+    seconds: float  # the decision's time, queueing for the router thread included
+
+
+class RoutingStage:
+    def __init__(
+        self,
+        service: RouterService | None,
+        engines: Mapping[str, TierEngine],
+        prompts: RoutedPromptStore | None = None,
+        relabeler: Relabeler | None = None,
+        unavailable: str = "no router is configured",
+    ) -> None:
+        self.service = service
+        self.engines = engines
+        self.prompts = prompts
+        self.relabeler = relabeler
+        self.unavailable = unavailable  # why there is no router, for the 404 and the admin stats
+        self.drift = LargeShareWindow()
+        self.tenant_drift: dict[str, LargeShareWindow] = {}
+        self._stale_warned: set[tuple[str, str]] = set()
+        self._background: set[asyncio.Task[None]] = set()
+
+    @classmethod
+    def load(
+        cls,
+        directory: Path,
+        threads: int,
+        engines: Mapping[str, TierEngine],
+        prompts: RoutedPromptStore | None = None,
+        relabeler: Relabeler | None = None,
+    ) -> RoutingStage:
+        """The stage with the router saved in `directory`; without one (or one this code cannot use) `auto`
+        answers 404 saying why, and tenants that route everything are served the tier they name."""
+        if not directory.exists():
+            return cls(None, engines, prompts, relabeler, f"no router is configured (none at {directory})")
+        try:
+            service = RouterService.load(directory, threads)
+        except RouterLoadError as exc:
+            log.warning("model auto is unavailable: %s", exc)
+            return cls(None, engines, prompts, relabeler, f"no router is configured ({exc})")
+        log.info("router loaded from %s (%s)", directory, service.router.metadata.get("classifier"))
+        return cls(service, engines, prompts, relabeler)
+
+    @property
+    def loaded(self) -> bool:
+        return self.service is not None
+
+    def wants(self, model: str, policy: Policy) -> bool:
+        """Whether this request is routed; `auto` without a router is a 404 naming the reason."""
+        if model == AUTO and self.service is None:
+            raise APIError(
+                404,
+                f"The model `auto` is not available: {self.unavailable}. Name a tier instead.",
+                code="model_not_found",
+                param="model",
+            )
+        return model == AUTO or (policy.router.route_all and self.service is not None)
+
+    def offered(self, policy: Policy) -> bool:
+        """Whether `/v1/models` lists `auto` for this policy: a router, and a tier it may route to."""
+        return self.service is not None and bool(self._tiers(policy))
+
+    async def route(self, principal: Principal, policy: Policy, conversations: Sequence[Messages]) -> RouteDecision:
+        """Decide on the hardest of the request's conversations (a completion may carry several prompts)."""
+        assert self.service is not None, "wants() said no router"
+        tiers = self._tiers(policy)
+        if not tiers:
+            raise APIError(
+                403,
+                "Your tenant's policy allows neither the small nor the large tier, which `auto` routes between.",
+                code="model_not_allowed",
+                param="model",
+            )
+        start = time.perf_counter()
+        p = min(await asyncio.gather(*(self.service.p_small_ok(c) for c in conversations)))  # one batch
+        threshold, source, expected = self.threshold(policy, principal.tenant_name)
+        choice = SMALL if p >= threshold else LARGE
+        self.drift.add(choice == LARGE, expected)
+        self.tenant_drift.setdefault(principal.tenant_name, LargeShareWindow()).add(choice == LARGE, expected)
+        tier = choice if choice in tiers else tiers[0]
+        return RouteDecision(tier, p, threshold, source, expected, time.perf_counter() - start)
+
+    def threshold(self, policy: Policy, tenant: str) -> tuple[float, str, float | None]:
+        """(threshold, where it came from, the large share it was calibrated to send)."""
+        assert self.service is not None
+        router, settings = self.service.router, policy.router
+        if settings.mode == "threshold":
+            return settings.threshold, "policy", None
+        calibration = settings.calibration
+        if calibration is not None and calibration.router == router.id:
+            return calibration.threshold, "tenant", calibration.large_share
+        if calibration is not None and (tenant, router.id) not in self._stale_warned:
+            self._stale_warned.add((tenant, router.id))
+            log.warning("tenant %s's router calibration is for another router: using the global threshold", tenant)
+        if tenant in router.metadata.get("tenant_thresholds", {}):
+            return router.threshold_for(tenant), "tenant", router.large_share_for(tenant)
+        return router.threshold, "global", router.large_share_for(None)
+
+    def _tiers(self, policy: Policy) -> list[str]:
+        return [t for t in (SMALL, LARGE) if t in self.engines and policy.allows(t)]
+
+    def after_response(self, gen: Generation) -> None:
+        """Once the response is out: store the conversation, maybe start a shadow run. Never blocks."""
+        route = gen.route
+        if route is None or gen.status != "ok":
+            return
+        if gen.policy.policy.router.store_prompts and self.prompts is not None:
+            self._spawn(self._store(gen, route), f"storing routed prompts of {gen.request_id}")
+        fresh = gen.cache.answer is None  # a cached answer is not a new small-tier answer
+        relabeler = self.relabeler
+        if (
+            relabeler is not None
+            and fresh
+            and gen.endpoint == "chat.completions"
+            and relabeler.wants(gen.policy, gen.tier)
+        ):
+            relabeler.submit(
+                ShadowJob(
+                    request_id=gen.request_id,
+                    endpoint=gen.endpoint,
+                    tenant_id=gen.principal.tenant_id,
+                    key_id=gen.principal.key_id,
+                    policy=gen.policy,
+                    messages=[{"role": str(m["role"]), "content": str(m["content"])} for m in gen.conversations[0]],
+                    small_text=gen.texts[0],
+                    small_tokens=gen.choice_tokens[0],
+                    small_finish=gen.finish_reasons[0],
+                    max_tokens=gen.requests[0].params.max_tokens,
+                )
+            )
+
+    async def _store(self, gen: Generation, route: RouteDecision) -> None:
+        store = self.prompts
+        assert store is not None
+        for conversation in gen.conversations:
+            await anyio.to_thread.run_sync(
+                store.add, gen.principal.tenant_id, gen.request_id, conversation, route.p_small_ok, route.tier
+            )
+
+    def _spawn(self, work: Coroutine[object, object, None], name: str) -> None:
+        async def guarded() -> None:
+            try:
+                await work
+            except Exception:  # a lost calibration prompt is not worth a traceback that could quote it
+                log.warning("%s failed", name)
+
+        task = asyncio.get_running_loop().create_task(guarded(), name=name)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def shares(self) -> Shares:
+        return self.drift.shares()
+
+    def stats(self, tenants: set[str] | None) -> dict[str, object]:
+        """What `GET /v1/admin/router` shows; `tenants`: the ones the caller may see (None: all)."""
+        out: dict[str, object] = {"loaded": self.service is not None}
+        if self.service is None:
+            out["reason"] = self.unavailable
+        else:
+            meta = self.service.router.metadata
+            out["router"] = {
+                "id": self.service.router.id,
+                "classifier": meta.get("classifier"),
+                "feature_version": meta.get("feature_version"),
+                "created": meta.get("created"),
+                "threshold": self.service.router.threshold,
+                "threshold_from": meta.get("threshold_from"),
+                "large_share": meta.get("large_share"),
+            }
+        out["drift"] = self.drift.shares().as_dict() if tenants is None else None
+        out["tenants"] = {
+            name: window.shares().as_dict()
+            for name, window in sorted(self.tenant_drift.items())
+            if tenants is None or name in tenants
+        }
+        return out
+
+    async def close(self) -> None:
+        if self.relabeler is not None:
+            await self.relabeler.close()
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=10.0)
+        if self.service is not None:
+            self.service.close()

@@ -1,0 +1,309 @@
+"""Online relabeling: a share of live small-tier answers re-run on the large tier, judged, and logged as
+label rows that `switchboard router train --from-logs` learns from.
+
+After a routed request's response has gone out (never on its path), the routing stage hands it here
+if the tenant's policy asks (`router.shadow_share`, default 0; it needs `router.store_prompts`, since
+the row keeps the conversation). The conversation runs greedily on the large tier, behind live
+requests (a lower engine priority), and the large tier judges the small tier's answer against its own
+with `router_model.label`'s judge: live traffic has no reference answers, so every live prompt is
+graded the way `router label` grades open chat (identical answers need no judge).
+
+Accounting, one ledger row per shadow run (`route = "shadow"`, its id the request's plus `-shadow`):
+- `router.shadow_billed: true`: the run is the tenant's like any request: its worst case (answer and
+  judge) is reserved against the tenant's budgets and rate limits first (refused: no run, no row), it
+  is priced at the large tier's prices (`policies.pricing.charge_shadow`: counterfactual 0, the price
+  a negative routing saving) and settled.
+- false (the default): the operator pays for relabeling. The row records the run (tier, model,
+  latency, status) with zero tokens and zero money, since the ledger's tokens and money are what the
+  tenant's budgets are rebuilt from and what finance bills; the run's real token counts are in its
+  label row (`prompt_tokens`, `large_tokens`, `judge_prompt_tokens`, `judge_tokens`).
+
+The label log is JSONL under the home directory, one row per judged run in `router label`'s format
+plus `messages`, `request_id`, `tenant_id` and `started` (epoch seconds when the shadow run began).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+
+from engines.engine import RequestRejected
+from engines.protocol import EngineUnavailable, TierEngine
+from engines.request import EngineRequest, FinishReason
+from engines.sampling import SamplingParams
+from gateway.errors import APIError
+from gateway.ledger import Ledger, UsageRecord
+from gateway.metrics import Metrics
+from gateway.settings import Settings
+from policies.budgets import Budgets
+from policies.pricing import Tokens, charge_shadow, worst_case
+from policies.store import Versioned
+from router_model.features import split_conversation
+from router_model.graders import judge_messages, parse_verdict
+from router_model.label import JUDGE_MAX_TOKENS, MAX_TOKENS, tier_model
+from router_model.label_store import Row, open_appender
+from router_model.model import LARGE, SMALL
+
+log = logging.getLogger(__name__)
+
+LABELS_FILE = "router-labels.jsonl"
+SHADOW_PRIORITY = 1  # live requests run at 0: a shadow run waits behind them
+JUDGE_TEMPLATE_TOKENS = 256  # the judge prompt's own words, over the question and both answers (a bound)
+
+
+def labels_path(home: Path) -> Path:
+    """The live label log: `switchboard router train --from-logs` reads it."""
+    return Path(home).expanduser() / LABELS_FILE
+
+
+@dataclass(frozen=True)
+class ShadowJob:
+    """A routed request the small tier answered, as it went out."""
+
+    request_id: str
+    endpoint: str
+    tenant_id: int
+    key_id: int
+    policy: Versioned
+    messages: list[dict[str, str]]
+    small_text: str
+    small_tokens: int
+    small_finish: str | None
+    max_tokens: int  # what the live request was allowed
+
+
+@dataclass
+class _Answer:
+    text: str = ""
+    prompt_tokens: int = 0
+    tokens: int = 0
+    cached: int = 0
+    finish: str = "rejected"  # not run: too long for the tier
+
+
+class _Failed(Exception):
+    """The large tier failed or went away mid-run: no label."""
+
+
+class Relabeler:
+    def __init__(
+        self,
+        engines: Mapping[str, TierEngine],
+        settings: Settings,
+        ledger: Ledger,
+        budgets: Budgets,
+        metrics: Metrics | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.engines = engines
+        self.settings = settings
+        self.ledger = ledger
+        self.budgets = budgets
+        self.metrics = metrics
+        self.path = labels_path(settings.home_dir)
+        self._rng = rng or random.Random()
+        self._append_lock = threading.Lock()  # rows from concurrent runs never interleave
+        self._tasks: set[asyncio.Task[Row | None]] = set()
+
+    def wants(self, policy: Versioned, served_by: str) -> bool:
+        """Whether this small-tier answer is drawn for a shadow run (the policy's share; a large tier to run on)."""
+        share = policy.policy.router.shadow_share
+        large = self.engines.get(LARGE)
+        return served_by == SMALL and share > 0 and large is not None and large.alive and self._rng.random() < share
+
+    def submit(self, job: ShadowJob) -> None:
+        """Start the run in the background; the caller's response is already out."""
+        task = asyncio.get_running_loop().create_task(self.run(job), name=f"shadow {job.request_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def run(self, job: ShadowJob) -> Row | None:
+        """Run, judge, account and log one shadow run; the label row, or None if there is none. Never raises."""
+        try:
+            return await self._run(job)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("shadow run for %s failed", job.request_id)
+            return None
+
+    async def _run(self, job: ShadowJob) -> Row | None:
+        started, clock = time.time(), time.perf_counter()
+        engine = self.engines[LARGE]
+        rid = f"{job.request_id}-shadow"
+        prompt = await anyio.to_thread.run_sync(engine.tokenizer.encode_chat, job.messages)
+        max_tokens = max(1, min(job.max_tokens, MAX_TOKENS, engine.max_model_len - len(prompt)))
+        try:
+            engine.check(prompt, max_tokens)
+        except RequestRejected:
+            return None  # too long for the large tier: nothing to compare with
+        policy = job.policy.policy
+        billed = policy.router.shadow_billed
+        reservation = None
+        if billed:
+            judge_prompt = len(prompt) + max_tokens + job.small_tokens + JUDGE_TEMPLATE_TOKENS
+            completion = max_tokens + JUDGE_MAX_TOKENS
+            money = worst_case(policy, LARGE, len(prompt) + judge_prompt, completion)
+            try:
+                reservation = await self.budgets.admit(
+                    rid, policy, job.tenant_id, job.key_id, money, len(prompt) + judge_prompt + completion
+                )
+            except APIError as exc:  # over budget, rate-limited, counters down: relabeling waits for another request
+                log.info("shadow run for %s skipped: %s", job.request_id, exc.code)
+                return None
+        large, judge, status = _Answer(), _Answer(), "ok"
+        small_ok, verdict = False, None
+        try:
+            large = await self._generate(engine, f"{rid}-large", prompt, max_tokens, job.tenant_id)
+            if large.text.strip() == job.small_text.strip():
+                small_ok, verdict = True, None
+            else:
+                question = split_conversation(job.messages)[0]
+                judging = await anyio.to_thread.run_sync(
+                    engine.tokenizer.encode_chat, judge_messages(question, large.text, job.small_text)
+                )
+                try:
+                    engine.check(judging, JUDGE_MAX_TOKENS)
+                    judge = await self._generate(engine, f"{rid}-judge", judging, JUDGE_MAX_TOKENS, job.tenant_id)
+                except RequestRejected:
+                    judge = _Answer()  # as `router label`: an unread comparison is no "yes"
+                verdict = judge.text
+                small_ok = parse_verdict(judge.text) is True
+        except _Failed:
+            status = "error"
+        except asyncio.CancelledError:
+            status = "aborted"
+            raise
+        finally:
+            with anyio.CancelScope(shield=True):  # what ran is written down, however the run ended
+                tokens = Tokens(
+                    prompt=large.prompt_tokens + judge.prompt_tokens,
+                    completion=large.tokens + judge.tokens,
+                    cached_prompt=large.cached + judge.cached,
+                )
+                await self._account(job, rid, engine, tokens, large.finish, max_tokens, status, clock, billed)
+                if reservation is not None:
+                    cost = charge_shadow(policy, LARGE, tokens).cost
+                    await self.budgets.settle(reservation, cost, tokens.prompt + tokens.completion)
+        if status != "ok":
+            return None
+        row: Row = {
+            "id": f"live/{job.request_id}",
+            "source": "live",
+            "small_ok": small_ok,
+            "large_ok": True,  # the reference, as for open chat in `router label`
+            "label": small_ok,
+            "prompt_tokens": len(prompt),
+            "small_tokens": job.small_tokens,
+            "large_tokens": large.tokens,
+            "small_finish": job.small_finish,
+            "large_finish": large.finish,
+            "seconds": round(time.perf_counter() - clock, 3),
+            "judge": verdict,
+            "judge_prompt_tokens": judge.prompt_tokens,
+            "judge_tokens": judge.tokens,
+            "small_model": tier_model(self.settings.tiers[SMALL]) if SMALL in self.settings.tiers else SMALL,
+            "large_model": tier_model(self.settings.tiers[LARGE]) if LARGE in self.settings.tiers else LARGE,
+            "messages": job.messages,
+            "request_id": job.request_id,
+            "tenant_id": job.tenant_id,
+            "started": started,
+        }
+        await anyio.to_thread.run_sync(self._append, row)
+        return row
+
+    async def _generate(
+        self, engine: TierEngine, request_id: str, prompt: list[int], max_tokens: int, tenant_id: int
+    ) -> _Answer:
+        salt = f"tenant:{tenant_id}" if self.settings.prefix_cache_scope == "tenant" else ""
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        request = EngineRequest(request_id, prompt, params, priority=SHADOW_PRIORITY, cache_salt=salt)
+        pieces: list[str] = []
+        try:
+            stream = engine.open([request])
+        except EngineUnavailable:
+            raise _Failed from None
+        try:
+            async for out in stream:
+                if out.finish_reason is FinishReason.ERROR:
+                    raise _Failed
+                pieces.append(out.text)
+        except EngineUnavailable:
+            raise _Failed from None
+        finally:
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
+        last = stream.last.get(request_id)
+        if last is None or last.finish_reason is FinishReason.ABORT:
+            raise _Failed
+        finish = last.finish_reason.value if last.finish_reason else "length"
+        return _Answer("".join(pieces), len(prompt), last.completion_tokens, last.cached_tokens, finish)
+
+    async def _account(
+        self,
+        job: ShadowJob,
+        rid: str,
+        engine: TierEngine,
+        tokens: Tokens,
+        finish: str,
+        max_tokens: int,
+        status: str,
+        clock: float,
+        billed: bool,
+    ) -> None:
+        seconds = time.perf_counter() - clock
+        if billed:
+            price = charge_shadow(job.policy.policy, LARGE, tokens)
+        else:  # the operator's: nothing on the tenant's tokens or money (see the module's docstring)
+            tokens = Tokens(prompt=0, completion=0)
+            price = charge_shadow(job.policy.policy, LARGE, tokens)
+        tier = self.settings.tiers.get(LARGE)
+        rec = UsageRecord(
+            request_id=rid,
+            tenant_id=job.tenant_id,
+            api_key_id=job.key_id,
+            endpoint=job.endpoint,
+            model=tier.model if tier else LARGE,
+            tier=LARGE,
+            prompt_tokens=tokens.prompt,
+            completion_tokens=tokens.completion,
+            latency_ms=round(seconds * 1000),
+            status=status,
+            finish_reason=finish,
+            cached_prompt_tokens=tokens.cached_prompt,
+            effective_max_tokens=max_tokens,
+            cache_status="bypass",
+            route="shadow",
+            policy_version=job.policy.version,
+            cost=price.cost,
+            counterfactual_cost=price.counterfactual,
+            saved_cache=price.saved_cache,
+            saved_routing=price.saved_routing,
+            saved_speculation=price.saved_speculation,
+        )
+        if self.metrics is not None:
+            self.metrics.record_request(rec, None, seconds)
+        await self.ledger.write(rec)
+
+    def _append(self, row: Row) -> None:
+        with self._append_lock, open_appender(self.path) as append:
+            append(row)
+
+    async def close(self, timeout: float = 30.0) -> None:
+        """Let running shadow runs finish (each writes its row), then cancel what is left."""
+        tasks = list(self._tasks)
+        if not tasks:
+            return
+        _, pending = await asyncio.wait(tasks, timeout=timeout)
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending, timeout=5.0)

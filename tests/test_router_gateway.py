@@ -1,0 +1,445 @@
+"""The learned router in the gateway: `model: "auto"`, per-tenant calibration, online relabeling.
+
+A router is trained here on synthetic labels (long, many-step math and many-requirement code fail on
+the small tier, short chat passes) and served by a live gateway on PostgreSQL and Redis whose `small`
+and `large` tiers are both SmolLM2: the tiers differ in name, price and ledger row, which is what the
+gateway's side of routing is about. Ordering is checked with timestamps (when the response's last byte
+went out, when the shadow run began), never with durations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import sqlalchemy as sa
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+import services
+from engines.async_engine import AsyncEngine
+from gateway import audit
+from gateway.app import create_app
+from gateway.cli import main
+from gateway.db.database import Database
+from gateway.db.models import RoutedPrompt
+from gateway.semantic_cache import Embedder
+from gateway.settings import Settings
+from gateway.tenants import create_tenant, tenant_by_name
+from live import LiveServer, serve_gateway, start_server
+from policies.policy import Policy, RouterSettings
+from router_model.drift import LargeShareWindow, Shares
+from router_model.examples import split_examples
+from router_model.model import load_router, read_metadata, save_router, write_metadata
+from router_model.routed_prompts import RoutedPromptStore
+from router_model.shadow import LABELS_FILE
+from router_model.synthetic import synthetic_examples, write_label_file
+from router_model.train import train_router
+
+SIMPLE = "Hi! How are you today?"
+HARD = (
+    "Fatima has 312 marbles. Then Fatima sells 45 marbles. Then Fatima buys 17 marbles. Then Fatima trades 62 "
+    "marbles. Then Fatima loses 33 marbles. Then Fatima finds 9 marbles. Each week this repeats 7 times and 25% "
+    "are lost. How many marbles does Fatima have at the end? Solve it step by step."
+)
+P_HEADER = "x-switchboard-route-p-small"
+
+
+@pytest.fixture(scope="module")
+def router_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    train, heldout = split_examples(synthetic_examples(200, seed=1), test_size=0.25, seed=0)
+    result = train_router(train, heldout, Embedder(), seed=0, folds=2, candidates=("hist_gb",), large_share=0.4)
+    return save_router(result.router, tmp_path_factory.mktemp("router") / "router")
+
+
+HOLD = "x-test-hold-response"  # the test middleware holds such a response's last part back a little
+
+
+class ResponseSent:
+    """Outermost ASGI middleware: when each response's last body byte was handed to the server, by request id.
+
+    With the HOLD header it waits a moment before passing that last part on, so that anything started
+    before the response is complete shows a timestamp before it (no speed is asserted).
+    """
+
+    def __init__(self, app: ASGIApp, sent: dict[str, float]) -> None:
+        self.app = app
+        self.sent = sent
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request_id = ""
+        hold = dict(scope.get("headers", [])).get(HOLD.encode()) == b"1"
+
+        async def recording(message: Message) -> None:
+            nonlocal request_id
+            if message["type"] == "http.response.start":
+                request_id = dict(message.get("headers", [])).get(b"x-request-id", b"").decode()
+            last = message["type"] == "http.response.body" and not message.get("more_body")
+            if last and hold:
+                await asyncio.sleep(0.3)
+            await send(message)
+            if last:
+                self.sent[request_id] = time.time()
+
+        await self.app(scope, receive, recording)
+
+
+@dataclass
+class Gateway:
+    live: LiveServer
+    home: Path
+    url: str
+    router_dir: Path
+    sent: dict[str, float]
+
+    def tenant(self, **router: Any) -> tuple[str, str, int]:
+        """A new tenant whose policy has these router settings: (name, app key, id)."""
+        name = f"t-{uuid.uuid4().hex[:10]}"
+        issued = create_tenant(self.live.db, name)
+        found = tenant_by_name(self.live.db, name)
+        assert found is not None
+        allowed = router.pop("allowed_tiers", None)
+        policy = Policy(router=RouterSettings(**router), allowed_tiers=allowed)
+        self.live.app.state.policies.save(found.id, policy, "test")
+        return name, issued.key, found.id
+
+    def chat(self, key: str, content: str, model: str = "auto", hold: bool = False, **body: Any) -> httpx.Response:
+        payload = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 8}
+        payload |= {"temperature": 0} | body
+        return httpx.post(
+            f"{self.live.base_url}/v1/chat/completions",
+            json=payload,
+            headers={"Authorization": f"Bearer {key}", HOLD: "1" if hold else "0"},
+            timeout=120,
+        )
+
+    def labels(self) -> dict[str, dict]:
+        path = self.home / LABELS_FILE
+        rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        return {row["request_id"]: row for row in rows}
+
+    def wait_for_label(self, request_id: str, timeout: float = 120.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if (row := self.labels().get(request_id)) is not None:
+                return row
+            time.sleep(0.05)
+        raise AssertionError(f"no label row for {request_id}")
+
+
+@pytest.fixture(scope="module")
+def gateway(
+    small_engine: AsyncEngine,
+    router_dir: Path,
+    postgres_server: str,
+    redis_server: str,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Gateway]:
+    url, drop = services.create_database(postgres_server)
+    home = tmp_path_factory.mktemp("home")
+    namespace = f"sbtest-{uuid.uuid4().hex[:10]}"
+    settings = Settings(
+        home=home,
+        database_url=url,
+        redis_url=redis_server,
+        redis_namespace=namespace,
+        tiers={"small": {"model": "unused"}, "large": {"model": "unused"}},
+        router_dir=router_dir,
+    )
+    db = Database(url)
+    app = create_app(settings, engines={"small": small_engine, "large": small_engine}, database=db)
+    sent: dict[str, float] = {}
+    app.add_middleware(ResponseSent, sent=sent)
+    live, stop = start_server(app, db)
+    yield Gateway(live, home, url, router_dir, sent)
+    stop()
+    db.dispose()
+    drop()
+    services.delete_namespace(redis_server, namespace)
+
+
+def _p(r: httpx.Response) -> float:
+    assert re.fullmatch(r"[01]\.\d{3}", r.headers[P_HEADER]), r.headers[P_HEADER]
+    return float(r.headers[P_HEADER])
+
+
+def _row(gw: Gateway, request_id: str) -> Any:
+    (row,) = gw.live.wait_for_usage(request_id)
+    return row
+
+
+def test_auto_sends_a_simple_prompt_small_and_a_hard_one_large(gateway: Gateway) -> None:
+    _, key, _ = gateway.tenant()  # the default policy: the router's global threshold
+    threshold = load_router(gateway.router_dir).threshold
+    simple, hard = gateway.chat(key, SIMPLE), gateway.chat(key, HARD)
+    assert simple.status_code == hard.status_code == 200, (simple.text, hard.text)
+    assert simple.json()["model"] == hard.json()["model"] == "auto"  # the model asked for, as for fallbacks
+    assert (simple.headers["x-switchboard-tier"], hard.headers["x-switchboard-tier"]) == ("small", "large")
+    assert _p(simple) >= threshold > _p(hard)
+
+    small_row, large_row = _row(gateway, simple.json()["id"]), _row(gateway, hard.json()["id"])
+    assert (small_row.route, small_row.tier) == ("auto", "small")
+    assert (large_row.route, large_row.tier) == ("auto", "large")
+    # routing's saving against the always-large counterfactual: all of it on small, nothing on large
+    assert small_row.saved_routing == small_row.counterfactual_cost - small_row.cost > 0
+    assert large_row.saved_routing == 0 and large_row.cost > 0
+    assert large_row.counterfactual_cost - large_row.cost == large_row.saved_cache  # the KV prefix cache's, if any
+
+    direct = gateway.chat(key, HARD, model="small")
+    assert direct.headers["x-switchboard-tier"] == "small" and P_HEADER not in direct.headers
+    assert _row(gateway, direct.json()["id"]).route == "direct"
+
+    # the cache keys on the tier the router chose: a direct request for that tier answers the same question
+    again = gateway.chat(key, SIMPLE, model="small")
+    assert again.headers["x-switchboard-cache"] == "hit"
+    assert again.headers["x-switchboard-cache-source"] == simple.json()["id"]
+
+    auth = {"Authorization": f"Bearer {key}"}
+    models = httpx.get(f"{gateway.live.base_url}/v1/models", headers=auth).json()
+    assert [m["id"] for m in models["data"]] == ["small", "large", "auto"]
+    assert httpx.get(f"{gateway.live.base_url}/v1/models/auto", headers=auth).status_code == 200
+
+
+def test_the_policy_decides_threshold_tiers_and_whether_every_request_is_routed(gateway: Gateway) -> None:
+    _, everything_large, _ = gateway.tenant(mode="threshold", threshold=1.0)  # P < 1 always: large
+    r = gateway.chat(everything_large, SIMPLE)
+    assert r.headers["x-switchboard-tier"] == "large"
+
+    # route_all: a request naming a tier is routed anyway
+    _, routed, _ = gateway.tenant(route_all=True, mode="threshold", threshold=1.0)
+    r = gateway.chat(routed, SIMPLE, model="small")
+    assert r.status_code == 200 and r.json()["model"] == "small" and r.headers["x-switchboard-tier"] == "large"
+    assert _row(gateway, r.json()["id"]).route == "auto"
+
+    # the policy's allowed tiers have the last word
+    _, small_only, _ = gateway.tenant(route_all=True, allowed_tiers=["small"])
+    r = gateway.chat(small_only, HARD, model="small")
+    assert r.headers["x-switchboard-tier"] == "small" and _p(r) < 0.2
+    _, none_routable, _ = gateway.tenant(allowed_tiers=[])
+    r = gateway.chat(none_routable, SIMPLE)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "model_not_allowed"
+    models = httpx.get(f"{gateway.live.base_url}/v1/models", headers={"Authorization": f"Bearer {none_routable}"})
+    assert models.json()["data"] == []
+
+    # completions: text prompts, routed on the hardest of them; token ids cannot be read
+    _, plain, _ = gateway.tenant()
+    base, auth = gateway.live.base_url, {"Authorization": f"Bearer {plain}"}
+
+    def complete(prompt: object) -> httpx.Response:
+        return httpx.post(
+            f"{base}/v1/completions",
+            json={"model": "auto", "prompt": prompt, "max_tokens": 2},
+            headers=auth,
+            timeout=60,
+        )
+
+    assert complete(SIMPLE).headers["x-switchboard-tier"] == "small"
+    r = complete([SIMPLE, HARD])
+    assert r.status_code == 200 and r.headers["x-switchboard-tier"] == "large" and len(r.json()["choices"]) == 2
+    r = complete([1, 2, 3])
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def test_shadow_runs_start_after_the_response_and_log_label_rows(gateway: Gateway, tmp_path: Path) -> None:
+    _, unbilled, _ = gateway.tenant(store_prompts=True, shadow_share=1.0)
+    _, billed, _ = gateway.tenant(store_prompts=True, shadow_share=1.0, shadow_billed=True)
+    _, never, _ = gateway.tenant(store_prompts=True)
+
+    # greedy: the large tier (the same model here) answers the same, so no judge is needed
+    same = gateway.chat(unbilled, SIMPLE, hold=True)
+    # sampled: the answers differ, so the large tier judges
+    judged = gateway.chat(unbilled, "Tell me a fun fact about cats.", hold=True, temperature=1.0, seed=3, max_tokens=12)
+    with httpx.stream(
+        "POST",
+        f"{gateway.live.base_url}/v1/chat/completions",
+        json={"model": "auto", "messages": [{"role": "user", "content": SIMPLE}], "max_tokens": 6, "stream": True},
+        headers={"Authorization": f"Bearer {billed}", HOLD: "1"},
+        timeout=120,
+    ) as streamed:
+        assert streamed.headers["x-switchboard-tier"] == "small"
+        streamed_id = streamed.headers["x-request-id"]
+        streamed_text = "".join(streamed.iter_text())
+    assert streamed_text.endswith("data: [DONE]\n\n")
+    skipped = gateway.chat(never, SIMPLE)
+    for r in (same, judged, skipped):
+        assert r.status_code == 200 and r.headers["x-switchboard-tier"] == "small"
+
+    rows = {rid: gateway.wait_for_label(rid) for rid in (same.json()["id"], judged.json()["id"], streamed_id)}
+    for rid, row in rows.items():
+        assert row["started"] >= gateway.sent[rid]  # the response's last byte went out before the shadow run began
+        assert row["id"] == f"live/{rid}" and row["source"] == "live" and row["large_ok"] is True
+        assert row["label"] == row["small_ok"] and row["large_model"] == "unused@bf16/bf16"
+        assert row["messages"][-1]["role"] == "user" and row["large_tokens"] > 0
+    assert rows[same.json()["id"]]["small_ok"] is True and rows[same.json()["id"]]["judge"] is None
+    assert rows[same.json()["id"]]["small_tokens"] == same.json()["usage"]["completion_tokens"]
+    assert rows[judged.json()["id"]]["judge"] is not None and rows[judged.json()["id"]]["judge_tokens"] > 0
+    assert skipped.json()["id"] not in gateway.labels()  # shadow_share 0: none
+
+    # one ledger row per shadow run, route "shadow", on the large tier; unbilled: nothing on the tenant's bill
+    free = _row(gateway, f"{same.json()['id']}-shadow")
+    assert (free.route, free.tier, free.status) == ("shadow", "large", "ok")
+    assert free.cost == free.counterfactual_cost == free.prompt_tokens == free.completion_tokens == 0
+    paid = _row(gateway, f"{streamed_id}-shadow")
+    assert paid.route == "shadow" and paid.prompt_tokens > 0 and paid.cost > 0
+    assert paid.counterfactual_cost == 0  # an always-large gateway would not have run it
+    uncached = (paid.prompt_tokens * Decimal("0.50") + paid.completion_tokens * Decimal("2.00")) / 1_000_000
+    assert paid.saved_routing == -uncached  # its price is routing's overhead
+    assert paid.counterfactual_cost - paid.cost == paid.saved_routing + paid.saved_cache + paid.saved_speculation
+    assert not gateway.live.usage_rows(request_id=f"{skipped.json()['id']}-shadow")
+
+    # the live labels train a router (`--from-logs`), beside labels from elsewhere
+    labels = write_label_file(synthetic_examples(120, seed=5), tmp_path / "labels.jsonl")
+    shutil.copy(gateway.home / LABELS_FILE, tmp_path / LABELS_FILE)
+    out = tmp_path / "retrained"
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("SWITCHBOARD_HOME", str(tmp_path))
+        argv = ["router", "train", "--labels", str(labels), "--from-logs", "--router", str(out), "--folds", "2"]
+        assert main(argv) == 0
+    meta = read_metadata(out)
+    assert meta["label_file"] == str(out / "train-labels.jsonl")
+    assert meta["n_train"] + meta["n_heldout"] == 120 + len(rows) and meta["labels_train"]["live"]["n"] >= 1
+
+
+def test_calibrating_a_tenant_writes_a_policy_version(
+    gateway: Gateway, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    name, key, tenant_id = gateway.tenant(store_prompts=True)
+    _, other, other_id = gateway.tenant()
+    assert gateway.chat(other, HARD).status_code == 200
+    r = gateway.chat(key, HARD)
+    assert r.status_code == 200
+    store = RoutedPromptStore(gateway.live.db)
+    deadline = time.monotonic() + 30
+    while not store.recent(tenant_id) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert store.recent(tenant_id) == [[{"role": "user", "content": HARD}]]
+    with gateway.live.db.session() as s:  # the tenant whose policy keeps no prompts has none kept
+        row = s.scalar(sa.select(RoutedPrompt).where(RoutedPrompt.tenant_id == tenant_id))
+        assert row is not None and row.request_id == r.json()["id"] and row.tier == "large"
+        assert s.scalar(sa.select(sa.func.count()).where(RoutedPrompt.tenant_id == other_id)) == 0
+
+    monkeypatch.setenv("SWITCHBOARD_DATABASE_URL", gateway.url)
+    monkeypatch.setenv("SWITCHBOARD_HOME", str(gateway.home))
+    calibrate = ["router", "calibrate", "--router", str(gateway.router_dir), "--tenant", name]
+    assert main([*calibrate, "--large-share", "0.3"]) == 1
+    assert "1 routed prompts stored, too few" in capsys.readouterr().err
+
+    for e in synthetic_examples(130, seed=11):
+        store.add(tenant_id, "calibration", e.messages, 0.5, "small")
+    assert main([*calibrate, "--large-share", "0.3"]) == 0
+    assert "policy v2" in capsys.readouterr().out  # v1: the test's own
+    policy = gateway.live.app.state.policies.version(tenant_id, 2).policy
+    calibration = policy.router.calibration
+    assert calibration is not None and policy.router.mode == "large_share" and policy.router.large_share == 0.3
+    assert calibration.prompts == 131 and abs(calibration.large_share - 0.3) <= 0.02
+    assert calibration.router == read_metadata(gateway.router_dir)["model_sha256"]
+    assert policy.router.store_prompts  # the rest of the policy stays as it was
+    (entry, *_) = audit.entries(gateway.live.db, tenant_id)
+    assert (entry.actor, entry.action, entry.target) == ("cli", "policy.update", "policy v2")
+    assert entry.after["router"]["calibration"]["threshold"] == calibration.threshold
+
+    # the gateway routes the tenant by it (policies reach it within a second): every call large
+    assert main([*calibrate, "--large-share", "1.0"]) == 0
+    deadline = time.monotonic() + 10
+    while (tier := gateway.chat(key, SIMPLE).headers["x-switchboard-tier"]) != "large" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert tier == "large"
+
+    # drift: the large share of recent decisions against what their thresholds were calibrated to send
+    ops = create_tenant(gateway.live.db, f"ops-{uuid.uuid4().hex[:8]}", operator=True, role="admin").key
+    stats = httpx.get(f"{gateway.live.base_url}/v1/admin/router", headers={"Authorization": f"Bearer {ops}"}).json()
+    assert stats["loaded"] and stats["router"]["id"] == calibration.router
+    mine, everyone = stats["tenants"][name], stats["drift"]
+    assert everyone["decisions"] >= mine["decisions"] >= 2 and 0 < mine["large_share"] <= 1
+    assert 0 < mine["calibrated_large_share"] <= 1
+    metrics = httpx.get(f"{gateway.live.base_url}/metrics").text
+    scraped = {m[0]: float(m[1]) for m in re.findall(r"^(switchboard_router_\w*large_share) (\S+)$", metrics, re.M)}
+    later = httpx.get(f"{gateway.live.base_url}/v1/admin/router", headers={"Authorization": f"Bearer {ops}"}).json()
+    assert scraped == {
+        "switchboard_router_large_share": pytest.approx(later["drift"]["large_share"]),
+        "switchboard_router_calibrated_large_share": pytest.approx(later["drift"]["calibrated_large_share"]),
+    }
+    # another tenant's admin sees its own tenant only
+    tenant_admin = create_tenant(gateway.live.db, f"t-{uuid.uuid4().hex[:8]}", role="admin").key
+    own = httpx.get(f"{gateway.live.base_url}/v1/admin/router", headers={"Authorization": f"Bearer {tenant_admin}"})
+    assert own.status_code == 200 and own.json()["drift"] is None and own.json()["tenants"] == {}
+
+
+def test_auto_without_a_router_is_a_clear_404(
+    small_engine: AsyncEngine, sqlite_url: str, tmp_path: Path, router_dir: Path
+) -> None:
+    stale = tmp_path / "stale"
+    shutil.copytree(router_dir, stale)
+    write_metadata(read_metadata(stale) | {"feature_version": "minilm-l6+cheap-0"}, stale)
+    for directory, reason in ((None, "none at"), (stale, "retrain")):
+        extra = {} if directory is None else {"router_dir": directory}
+        live, stop = serve_gateway(small_engine, tmp_path / f"home-{reason[:5]}", sqlite_url, **extra)
+        try:
+            key = live.new_key()
+            payload = {"model": "auto", "messages": [{"role": "user", "content": SIMPLE}], "max_tokens": 2}
+            r = httpx.post(
+                f"{live.base_url}/v1/chat/completions", json=payload, headers={"Authorization": f"Bearer {key}"}
+            )
+            error = r.json()["error"]
+            assert r.status_code == 404 and error["code"] == "model_not_found" and error["param"] == "model"
+            assert "no router is configured" in error["message"] and reason in error["message"]
+            models = httpx.get(f"{live.base_url}/v1/models", headers={"Authorization": f"Bearer {key}"}).json()
+            assert [m["id"] for m in models["data"]] == ["small"]
+        finally:
+            stop()
+
+
+def test_a_tenant_that_routes_everything_is_served_as_asked_without_a_router(
+    small_engine: AsyncEngine, sqlite_url: str, tmp_path: Path
+) -> None:
+    live, stop = serve_gateway(small_engine, tmp_path, sqlite_url)
+    try:
+        name = f"t-{uuid.uuid4().hex[:8]}"
+        key = create_tenant(live.db, name).key
+        found = tenant_by_name(live.db, name)
+        assert found is not None
+        live.app.state.policies.save(found.id, Policy(router=RouterSettings(route_all=True)), "test")
+        payload = {"model": "small", "messages": [{"role": "user", "content": SIMPLE}], "max_tokens": 2}
+        r = httpx.post(f"{live.base_url}/v1/chat/completions", json=payload, headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 200 and r.headers["x-switchboard-tier"] == "small" and P_HEADER not in r.headers
+        assert live.wait_for_usage(r.json()["id"])[0].route == "direct"
+    finally:
+        stop()
+
+
+def test_the_routed_prompts_migration_upgrades_and_downgrades(database: Database) -> None:
+    assert database.current_revision() == "0003"
+    assert "routed_prompts" in sa.inspect(database.engine).get_table_names()
+    database.downgrade("0002")
+    tables = set(sa.inspect(database.engine).get_table_names())
+    assert "routed_prompts" not in tables and {"usage", "policy_versions", "audit_log"} <= tables
+    database.upgrade()
+    assert database.current_revision() == "0003" and "routed_prompts" in sa.inspect(database.engine).get_table_names()
+    create_tenant(database, "acme")
+    found = tenant_by_name(database, "acme")
+    assert found is not None
+    store = RoutedPromptStore(database, keep=3)
+    for i in range(5):
+        store.add(found.id, f"r{i}", [{"role": "user", "content": f"q{i}"}], 0.5, "small")
+    store.prune(found.id)
+    assert [m[0]["content"] for m in store.recent(found.id)] == ["q4", "q3", "q2"]  # the newest kept, newest first
+
+
+def test_the_drift_window_compares_like_with_like() -> None:
+    window = LargeShareWindow(size=4)
+    assert window.shares() == Shares(0, None, None)
+    window.add(True, None)  # a fixed threshold: counts as a call, expects nothing
+    assert window.shares() == Shares(1, 1.0, None)
+    for large, expected in ((False, 0.25), (False, 0.25), (True, 0.5), (False, 0.5)):
+        window.add(large, expected)
+    assert window.shares() == Shares(4, 0.25, 0.375)  # the first decision fell out of the window
