@@ -17,14 +17,11 @@ from dataclasses import dataclass, replace
 import torch
 
 from engines.engine import Engine, EngineStats
+from engines.protocol import EngineUnavailable  # raised by `open` when the loop is stopped or has died
 from engines.request import EngineRequest, FinishReason, RequestOutput
 from engines.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-
-class EngineUnavailable(RuntimeError):
-    """The engine's loop is stopped or has died; it takes no requests."""
 
 
 @dataclass

@@ -8,24 +8,28 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 
+import anyio
 from fastapi import FastAPI
 
-from engines.async_engine import AsyncEngine
-from gateway import errors
+from engines.protocol import TierEngine
+from gateway import errors, openapi
 from gateway.api import admin, finance, health, openai
 from gateway.api import policies as policy_api
+from gateway.api import router as router_api
 from gateway.body_limit import BodySizeLimit
 from gateway.cache_stage import CacheStage
 from gateway.console import pages as console
 from gateway.db.database import Database
-from gateway.ledger import Ledger
+from gateway.ledger import Ledger, spool_path
 from gateway.logging_setup import RequestIdMiddleware
 from gateway.metrics import Metrics
 from gateway.metrics import router as metrics_router
 from gateway.pipeline import Pipeline
 from gateway.response_cache import ResponseCache
+from gateway.routing import RoutingStage
 from gateway.semantic_cache import SemanticCache
 from gateway.settings import Settings
+from gateway.tenants import use_key_secret
 from policies.budgets import Budgets
 from policies.counters import Counters, LocalCounters, RedisCounters
 from policies.store import PolicyStore
@@ -36,7 +40,7 @@ log = logging.getLogger(__name__)
 def create_app(
     settings: Settings | None = None,
     *,
-    engines: Mapping[str, AsyncEngine] | None = None,
+    engines: Mapping[str, TierEngine] | None = None,
     database: Database | None = None,
 ) -> FastAPI:
     """Build the app. Tests pass ready engines and a database; `switchboard serve` passes neither."""
@@ -47,7 +51,7 @@ def create_app(
         db = database or Database(settings.database)
         if settings.auto_migrate:
             db.upgrade()
-        ledger = Ledger(db, settings.home_dir / "usage-spool.jsonl")
+        ledger = Ledger(db, spool_path(settings.home_dir, db.url))
         if replayed := ledger.replay_spool():
             log.warning("wrote %d spooled usage rows to the database", replayed)
         counters: Counters = (
@@ -69,11 +73,15 @@ def create_app(
         app.state.db = db
         app.state.policies = policies
         app.state.budgets = Budgets(db, counters, settings.redis_namespace)
-        app.state.pipeline = Pipeline(running, ledger, settings, policies, app.state.budgets, cache, app.state.metrics)
+        routing = await anyio.to_thread.run_sync(_routing, settings, running, db, ledger, app.state.budgets, app)
+        app.state.pipeline = Pipeline(
+            running, ledger, settings, policies, app.state.budgets, cache, app.state.metrics, routing
+        )
         app.state.started = int(time.time())
         try:
             yield
         finally:
+            await routing.close()  # shadow runs still going finish first: they need the engines and the ledger
             if engines is None:  # engines passed in belong to the caller
                 for engine in set(running.values()):
                     engine.shutdown()
@@ -93,14 +101,28 @@ def create_app(
     app.state.settings = settings
     app.state.metrics = Metrics()  # a registry per app: apps sharing a process never collide
     app.state.metrics.watch(lambda: app.state)
+    use_key_secret(settings.key_secret.get_secret_value() if settings.key_secret else None, settings.home_dir)
     # A random secret signs out every console session on restart; set `console_secret` to keep them.
     app.state.console_secret = settings.console_secret or secrets.token_urlsafe(32)
     errors.install(app)
+    openapi.install(app)
     app.include_router(openai.router)
     app.include_router(admin.router)
     app.include_router(policy_api.router)
     app.include_router(finance.router)
     app.include_router(health.router)
     app.include_router(metrics_router)
+    app.include_router(router_api.router)
     app.include_router(console.router)
     return app
+
+
+def _routing(
+    settings: Settings, engines: Mapping[str, TierEngine], db: Database, ledger: Ledger, budgets: Budgets, app: FastAPI
+) -> RoutingStage:
+    """The routing stage, with the trained router if one is saved (MiniLM loads here, not on a first request)."""
+    from router_model.routed_prompts import RoutedPromptStore
+    from router_model.shadow import Relabeler
+
+    relabeler = Relabeler(engines, settings, ledger, budgets, app.state.metrics)
+    return RoutingStage.load(settings.router_path, settings.router_threads, engines, RoutedPromptStore(db), relabeler)

@@ -12,9 +12,16 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import iter_route_contexts
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
+
+from gateway.db.database import UNREACHABLE
 
 log = logging.getLogger(__name__)
+
+RETRY_HEADERS = {"retry-after": "1"}  # on a 503 for a dependency that is down: seconds before trying again
 
 _TYPES = {
     400: "invalid_request_error",
@@ -28,6 +35,39 @@ _TYPES = {
     500: "server_error",
     503: "server_error",
 }
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+    details: list[dict[str, Any]] | None = None  # every problem, where there are several (policies)
+
+
+class ErrorResponse(BaseModel):
+    """What every 4xx and 5xx answer carries, as the OpenAPI document declares it."""
+
+    error: ErrorDetail
+
+
+_DESCRIPTIONS = {
+    400: "A request we cannot serve as asked (unparseable JSON, context too long, unsupported field)",
+    401: "A missing, unknown or revoked API key",
+    403: "A key without the endpoint's role, or a tier the tenant's policy does not allow",
+    404: "An unknown model, or a tenant or key this key cannot see",
+    409: "A conflict with the current state (a name taken, a concurrent change)",
+    413: "A body over `max_request_bytes`",
+    422: "A body or parameter that does not fit the schema; `param` names the field",
+    429: "An exhausted budget or a rate limit",
+    503: "Not reachable right now, retry shortly: the model's engine (`engine_unavailable`), the budget counters"
+    " (`budget_unavailable`) or the database (`database_unavailable`)",
+}
+
+
+def documented(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` entries for error statuses a route can answer, all in OpenAI's error shape."""
+    return {status: {"model": ErrorResponse, "description": _DESCRIPTIONS[status]} for status in statuses}
 
 
 class APIError(Exception):
@@ -68,6 +108,8 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    for unreachable in UNREACHABLE:
+        app.add_exception_handler(unreachable, _database_unreachable)
     app.add_exception_handler(Exception, _unexpected)
 
 
@@ -78,11 +120,19 @@ async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     return exc.response()
 
 
-async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     errors = exc.errors()
     if any(e.get("type") == "json_invalid" for e in errors):
         return invalid("We could not parse the JSON body of your request. It must be valid JSON.").response()
+    if any(e.get("loc") == ("body",) and isinstance(e.get("input"), bytes) for e in errors):
+        # FastAPI hands over the raw bytes when the content type is not JSON: say so rather than "not an object"
+        sent = request.headers.get("content-type") or "none"
+        return APIError(
+            400,
+            f"The request body must be JSON sent with Content-Type: application/json (this one's was {sent[:100]}).",
+            code="unsupported_content_type",
+        ).response()
     first = errors[0] if errors else {}
     loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_type_tag(p)]
     param = ".".join(loc) or None
@@ -103,15 +153,41 @@ def _is_type_tag(part: object) -> bool:
     return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or "-" in part)
 
 
-async def _http_error(_: Request, exc: Exception) -> JSONResponse:
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     if exc.status_code == 413:  # a chunked body that outgrew the limit (gateway.body_limit)
         return APIError(413, "The request body is too large.", code="request_too_large").response()
+    if exc.status_code == 400 and exc.detail == _UNPARSEABLE:  # bad UTF-8, nesting too deep for the parser
+        return invalid("We could not parse the JSON body of your request. It must be valid JSON in UTF-8.").response()
+    headers = getattr(exc, "headers", None)
+    if exc.status_code == 405:
+        headers = {"allow": ", ".join(_allowed_methods(request))}
     messages = {404: "Not found.", 405: "Method not allowed."}
     message = exc.detail if isinstance(exc.detail, str) and exc.detail else messages.get(exc.status_code, "Error.")
-    return APIError(exc.status_code, message, headers=getattr(exc, "headers", None)).response()
+    return APIError(exc.status_code, message, headers=headers).response()
+
+
+_UNPARSEABLE = "There was an error parsing the body"  # FastAPI's words when reading the JSON body failed
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    """Every method some route serves at this path: Starlette's 405 names only the first route's."""
+    methods: set[str] = set()
+    for route in iter_route_contexts(request.app.routes):  # included routers' routes too
+        if (route_methods := route.methods) and route.matches(request.scope)[0] is not Match.NONE:
+            methods |= route_methods
+    return sorted(methods)
+
+
+async def _database_unreachable(request: Request, exc: Exception) -> JSONResponse:
+    # An outage, not a bug: a 503 the client may retry, and one log line rather than a stack per request.
+    log.warning("database unreachable (%s) on %s %s", type(exc).__name__, request.method, request.url.path)
+    return APIError(
+        503, "The database is unreachable right now; retry shortly.", code="database_unavailable", headers=RETRY_HEADERS
+    ).response()
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    # Our log formatters write the stack and the exception types, never their messages (logging_setup).
+    log.error("unhandled %s on %s %s", type(exc).__name__, request.method, request.url.path, exc_info=exc)
     return APIError(500, "The server had an error while processing your request.").response()

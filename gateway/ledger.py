@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import time
@@ -131,6 +132,11 @@ def add_many(session: Session, recs: list[UsageRecord]) -> None:
     upsert = _rollup_upsert(session.bind.dialect.name)  # type: ignore[union-attr]
     for key in sorted(sums):
         session.execute(upsert, sums[key])
+
+
+def spool_path(home: Path, database_url: str) -> Path:
+    """One spool per database: rows spooled for one deployment never land in another's database."""
+    return home / f"usage-spool-{hashlib.sha256(database_url.encode()).hexdigest()[:12]}.jsonl"
 
 
 class Ledger:

@@ -9,8 +9,9 @@ The request id is the client's `x-request-id` header if it sent a sane one, else
 the response's `x-request-id` header. Once a completion request passed its checks, its id takes over
 (`chatcmpl-…`): the id in the response body, its `x-request-id` header, its ledger row and the rest
 of its log lines, the access line included, then agree. Prompts and completions are
-never logged: no log call in the gateway passes message or prompt text, and the access log records
-the path only (bodies never).
+not logged unless the tenant's policy opts in (`logging.log_prompts`, see gateway.prompt_log): no
+other log call passes message or prompt text, the access log records the path only (bodies and
+headers never), and an unhandled error logs its stack and exception types, not their messages.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import contextvars
 import json
 import logging
 import re
+import traceback
 import uuid
 from datetime import UTC, datetime
 from typing import Any
@@ -34,7 +36,30 @@ _SANE_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
 
 
-class JSONFormatter(logging.Formatter):
+def exception_stack(exc: BaseException) -> str:
+    """The tracebacks of `exc` and the exceptions it chains, oldest first, each named by its type only.
+
+    Exception messages stay out of the logs: one can quote the request (pydantic's quote the input, a
+    KeyError its key), and prompts, completions and keys must never reach them. The stack says where.
+    """
+    chain: list[traceback.TracebackException] = []
+    te: traceback.TracebackException | None = traceback.TracebackException.from_exception(exc)
+    while te is not None:
+        chain.append(te)
+        te = te.__cause__ or (None if te.__suppress_context__ else te.__context__)
+    parts: list[str] = []
+    for te in reversed(chain):
+        parts += ["Traceback (most recent call last):\n", *te.stack.format()]
+        parts.append(f"{te.exc_type.__module__}.{te.exc_type.__qualname__}\n" if te.exc_type else "?\n")
+    return "".join(parts).rstrip("\n")
+
+
+class _WithoutMessages(logging.Formatter):
+    def formatException(self, ei: Any) -> str:
+        return exception_stack(ei[1]) if ei and ei[1] is not None else super().formatException(ei)
+
+
+class JSONFormatter(_WithoutMessages):
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {
             "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
@@ -42,7 +67,8 @@ class JSONFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
-        if (rid := request_id_var.get()) is not None:
+        # An id the call names itself beats the ambient one (a line about a request, logged from elsewhere).
+        if (rid := getattr(record, "request_id", None) or request_id_var.get()) is not None:
             entry["request_id"] = rid
         if record.name == "uvicorn.access" and isinstance(record.args, tuple) and len(record.args) == 5:
             client, method, path, _, status = record.args  # uvicorn's access-log arguments
@@ -61,7 +87,7 @@ def configure(level: str = "info", fmt: str = "json", handler: logging.Handler |
     if fmt == "json":
         handler.setFormatter(JSONFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(_WithoutMessages("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)

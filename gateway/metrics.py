@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 # Seconds; CPU engines' first tokens range from tens of milliseconds to tens of seconds under load.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+ROUTE_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)  # a routing decision: MiniLM on a CPU
 
 # 429 codes, as gateway.errors sees them → the `reason` label
 THROTTLE_CODES = {"insufficient_quota": "budget", "rate_limit_exceeded": "rate_limit"}
@@ -39,6 +40,7 @@ GAUGES = {
     "kv_blocks_used": ("kv_blocks_used", "KV-cache blocks in use"),
     "kv_blocks_total": ("kv_blocks_capacity", "KV-cache blocks in all"),
     "spec_acceptance_rate": ("spec_acceptance_rate", "Drafted tokens accepted / proposed (speculative tiers)"),
+    "breaker_open": ("breaker_open", "1 while a remote tier's circuit breaker is open (remote tiers)"),
 }
 
 
@@ -75,6 +77,10 @@ class Metrics:
             "switchboard_time_per_output_token_seconds", "Time per generated token after the first", ["tier"],
             buckets=TPOT_BUCKETS, registry=r,
         )  # fmt: skip
+        self.route_seconds = Histogram(
+            "switchboard_route_seconds", "Time of a routing decision (`auto`), waiting for the router thread included",
+            buckets=ROUTE_BUCKETS, registry=r,
+        )  # fmt: skip
         self.throttled = Counter(
             "switchboard_throttled_requests", "429s: reason budget (insufficient_quota) or rate_limit", ["reason"],
             registry=r,
@@ -99,6 +105,9 @@ class Metrics:
         if ttft is not None:
             self.ttft.labels(tier).observe(ttft)
             self.tpot.labels(tier).observe(max(0.0, seconds - ttft) / max(1, rec.completion_tokens - 1))
+
+    def record_route(self, seconds: float) -> None:
+        self.route_seconds.observe(seconds)
 
     def record_error(self, status: int, code: str | None) -> None:
         if status == 429:
@@ -132,6 +141,7 @@ class _StateCollector(Collector):
                     family.add_metric([tier], float(stats[key]))
         yield alive
         yield from gauges.values()
+        yield from _router_gauges(pipeline)
         errors = CounterMetricFamily(
             "switchboard_cache_errors", "Redis failures the caches absorbed (served as misses)", labels=["cache"]
         )
@@ -141,6 +151,23 @@ class _StateCollector(Collector):
             if cache.semantic is not None:
                 errors.add_metric(["semantic"], float(cache.semantic.errors))
         yield errors
+
+
+def _router_gauges(pipeline: Any) -> Iterator[Metric]:
+    """Drift of the learned router: its large-tier share over the last decisions, and what was calibrated."""
+    shares = pipeline.routing.shares()
+    values = {
+        "switchboard_router_large_share": (shares.large_share, "Share of the last routing decisions sent large"),
+        "switchboard_router_calibrated_large_share": (
+            shares.calibrated_large_share,
+            "Share of large calls the deciding thresholds were calibrated to send (mean over the same decisions)",
+        ),
+    }
+    for name, (value, doc) in values.items():
+        if value is not None:  # no decision yet: no sample rather than a made-up 0
+            gauge = GaugeMetricFamily(name, doc)
+            gauge.add_metric([], value)
+            yield gauge
 
 
 router = APIRouter(tags=["metrics"])

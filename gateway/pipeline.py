@@ -1,10 +1,12 @@
 """The request pipeline: one path from a validated API request to engine outputs and a usage row.
 
-    start()   the tenant's policy (allowed tiers, sampling clamps), the prompts, every limit, then the
-              budget and rate-limit reservation of the worst case  → 4xx/429 before anything runs
-    events()  run the engine requests and stream choice deltas; price what ran, write one ledger row
-              and settle the reservation, exactly once, however the stream ends (finished, client
-              gone, engine error)
+    start()   the tenant's policy (allowed tiers, sampling clamps), the tier (`auto`: the router's
+              choice, `gateway.routing`), the prompts, every limit, then the budget and rate-limit
+              reservation of the worst case  → 4xx/429 before anything runs
+    events()  run the engine requests on the requested tier, or on its fallback while it is down, and
+              stream choice deltas; price what ran at the prices of the tier that served, write one
+              ledger row and settle the reservation, exactly once, however the stream ends (finished,
+              client gone, engine error)
 
 Later stages (normalization, the response cache, routing, verifiers) slot in here, so the API
 routes stay thin translators between HTTP and this module.
@@ -22,8 +24,8 @@ from typing import Any, TypeVar
 
 import anyio
 
-from engines.async_engine import AsyncEngine, EngineUnavailable
 from engines.engine import RequestRejected
+from engines.protocol import EngineUnavailable, OutputStream, TierEngine
 from engines.request import EngineRequest, FinishReason, RequestOutput
 from engines.sampling import SamplingParams
 from engines.tokenizer import ChatTemplateError, Tokenizer
@@ -31,6 +33,8 @@ from gateway.cache_stage import BYPASS, CacheDecision, CacheStage, cache_mode
 from gateway.errors import APIError, invalid
 from gateway.ledger import Ledger, UsageRecord
 from gateway.metrics import Metrics
+from gateway.prompt_log import log_exchange
+from gateway.routing import RouteDecision, RoutingStage
 from gateway.schemas import (
     UNSUPPORTED_CHAT,
     UNSUPPORTED_COMPLETION,
@@ -53,37 +57,61 @@ class ChoiceDelta:
     finish_reason: str | None  # set on a choice's last delta
 
 
+@dataclass(frozen=True)
+class Candidate:
+    """A tier that may serve a request: the requested one, or a fallback."""
+
+    name: str
+    engine: TierEngine
+    checkpoint: str  # the model behind the tier, for the ledger
+
+
 @dataclass
 class Generation:
     """A request that passed every check; iterate `events()` to run it."""
 
     request_id: str
     endpoint: str
-    model: str
+    model: str  # the model asked for (a tier, or `auto`); responses name it whichever tier serves
     principal: Principal
-    engine: AsyncEngine
+    candidates: list[Candidate]  # who may serve, in order: the requested tier, then its fallbacks
     requests: list[EngineRequest]  # one per choice, in choice order
     prompt_tokens: int  # each distinct prompt counted once, as OpenAI bills n > 1
     ledger: Ledger
     budgets: Budgets
     policy: Versioned
     reservation: Reservation
-    tier_model: str  # the checkpoint behind the tier, for the ledger
+    tier: str  # the tier that serves (a fallback when the requested one is down), for the ledger and prices
+    tier_model: str  # the checkpoint behind it, for the ledger
     requested_max: list[int]  # per choice: what the request asked for (or its room), before the policy cap
     requested_max_tokens: int | None  # as sent
     num_prompts: int = 1
     cache: CacheDecision = BYPASS
     cache_stage: CacheStage | None = None
     metrics: Metrics | None = None
+    route: RouteDecision | None = None  # set when the router chose the tier
+    routing: RoutingStage | None = None
+    conversations: list[Any] = field(default_factory=list)  # what the router decided on
     created: int = field(default_factory=lambda: int(time.time()))
     completion_tokens: int = 0
     status: str = "pending"
     charged: bool = False
     ttft: float | None = None  # seconds from start to the first generated text (engine runs only)
+    texts: list[str] = field(default_factory=list, init=False, repr=False)  # each choice's text so far
+    finish_reasons: list[str | None] = field(default_factory=list, init=False, repr=False)  # once accounted
+    choice_tokens: list[int] = field(default_factory=list, init=False, repr=False)  # once accounted
+    _stream: OutputStream | None = field(default=None, init=False, repr=False)  # once a tier took the requests
+    _started: float | None = field(default=None, init=False, repr=False)
+    _followed_up: bool = field(default=False, init=False, repr=False)  # after_response ran
 
     @property
     def num_choices(self) -> int:
         return len(self.requests)
+
+    @property
+    def wanted_tier(self) -> str:
+        """The tier asked for, or the one the router chose: whose answers the cache keys hold."""
+        return self.route.tier if self.route is not None else self.model
 
     @property
     def usage(self) -> Usage:
@@ -97,20 +125,17 @@ class Generation:
         if self.status != "pending":
             raise RuntimeError("a generation runs once")
         self.status = "running"
-        started = time.perf_counter()
+        started = self._started or time.perf_counter()
         if self.cache.answer is not None:
             async for delta in self._replay(started):
                 yield delta
             return
         index = {r.request_id: i for i, r in enumerate(self.requests)}
         reasons: list[str | None] = [None] * len(self.requests)
-        texts = [""] * len(self.requests)
+        texts = self.texts = [""] * len(self.requests)
         try:
-            stream = self.engine.open(self.requests)
-        except EngineUnavailable:  # stopped between start() and now: nothing ran, nothing to record
-            await self._release()
-            raise _unavailable(self.model) from None
-        try:
+            stream = await self.begin()
+            started = self._started or started
             async for out in stream:
                 self.completion_tokens = sum(o.completion_tokens for o in stream.last.values())
                 if out.finish_reason is FinishReason.ERROR:
@@ -133,15 +158,64 @@ class Generation:
         finally:
             # Shielded: a cancelled request must still be aborted, counted to its last generated
             # token (tokens still queued for a departed client included), priced and written down.
+            # No stream: no tier took the requests (all down, or one refused them); `begin` settled.
             with anyio.CancelScope(shield=True):
-                await stream.aclose()
-                self.completion_tokens = sum(o.completion_tokens for o in stream.last.values())
-                await self._account(stream.last, reasons, time.perf_counter() - started)
-                if self.status == "ok" and self.cache_stage is not None and self.cache.key is not None:
+                if self._stream is not None:
+                    await self._settle_stream(reasons, started)
+                # A fallback's answer is not the requested tier's: it is not cached under that tier's key.
+                storable = self.status == "ok" and self.tier == self.wanted_tier and self.cache.key is not None
+                if storable and self.cache_stage is not None:
                     usage = (self.prompt_tokens, self.completion_tokens)
                     await self.cache_stage.store(
-                        self.principal.tenant_id, self.cache, texts, reasons, usage, self.model, self.request_id
+                        self.principal.tenant_id, self.cache, texts, reasons, usage, self.tier, self.request_id
                     )
+
+    async def begin(self) -> OutputStream:
+        """Have the first candidate tier that can take the requests take them, and wait for its first output.
+
+        A tier that is down, or fails before any output (a remote after its retries), passes the requests
+        on to the next candidate. Streaming responses call this before their headers go out, so that
+        `x-switchboard-tier` names the tier that serves and a refusal is still an HTTP error.
+        """
+        if self._stream is not None:
+            return self._stream
+        self._started = time.perf_counter()
+        for i, candidate in enumerate(self.candidates):
+            try:
+                stream = candidate.engine.open(self.requests)
+            except EngineUnavailable:  # stopped since start(): nothing ran here
+                continue
+            # Set before waiting: a client leaving meanwhile is billed for what ran, on this tier.
+            self._stream, self.tier, self.tier_model = stream, candidate.name, candidate.checkpoint
+            try:
+                first = await anext(stream)
+            except EngineUnavailable:
+                first = None
+            except RequestRejected as exc:  # a remote judged the request itself: the client's to fix
+                await self._drop_stream()
+                await self._release()
+                raise invalid(str(exc), param=_prompt_param(self.endpoint), code=exc.code) from None
+            last = i == len(self.candidates) - 1
+            if first is not None and not (_failed_before_output(first) and not last):
+                self._stream = _Primed(stream, first)
+                return self._stream
+            await self._drop_stream()
+        await self._release()
+        raise _unavailable(self.model)
+
+    async def _drop_stream(self) -> None:
+        """Close a stream that produced nothing; the next tier serves (and is billed) instead."""
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
+
+    async def _settle_stream(self, reasons: list[str | None], started: float) -> None:
+        stream = self._stream
+        assert stream is not None
+        await stream.aclose()
+        self.completion_tokens = sum(o.completion_tokens for o in stream.last.values())
+        await self._account(stream.last, reasons, time.perf_counter() - started)
 
     REPLAY_CHARS = 24  # a cached answer streams in pieces of about this many characters, like a generation
 
@@ -182,14 +256,16 @@ class Generation:
             policy_cut=cut,
             cache_hit=self.cache.answer is not None,
         )
-        price = charge(self.policy.policy, self.model, tokens)
+        price = charge(self.policy.policy, self.tier, tokens)
+        self.finish_reasons = list(reasons)
+        self.choice_tokens = [o.completion_tokens if o else 0 for o in outs]
         rec = UsageRecord(
             request_id=self.request_id,
             tenant_id=self.principal.tenant_id,
             api_key_id=self.principal.key_id,
             endpoint=self.endpoint,
             model=self.tier_model,
-            tier=self.model,
+            tier=self.tier,
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens,
             latency_ms=round(seconds * 1000),
@@ -202,6 +278,7 @@ class Generation:
             effective_max_tokens=self.requests[0].params.max_tokens,
             policy_version=self.policy.version,
             cache_status=self.cache.status,
+            route="direct" if self.route is None else "auto",
             cost=price.cost,
             counterfactual_cost=price.counterfactual,
             saved_cache=price.saved_cache,
@@ -213,6 +290,8 @@ class Generation:
         self.charged = True
         if self.metrics is not None:
             self.metrics.record_request(rec, self.ttft, seconds)
+        if self.policy.policy.logging.log_prompts:  # the tenant opted in to its text in our logs
+            log_exchange(self, self.candidates[0].engine.tokenizer)
         await self.ledger.write(rec)  # group-committed with concurrent requests' rows
         await self.budgets.settle(self.reservation, price.cost, tokens.prompt + tokens.completion)
 
@@ -220,9 +299,21 @@ class Generation:
     def _choices_per_prompt(self) -> int:
         return max(1, len(self.requests) // max(1, self.num_prompts))
 
+    async def after_response(self) -> None:
+        """Called once the response has gone out: the routing stage's follow-ups (stored prompt, shadow run)."""
+        if self.routing is not None and self.route is not None and not self._followed_up:
+            self._followed_up = True
+            self.routing.after_response(self)
+
     async def abandon(self) -> None:
-        """Give back the reservation of a generation that never ran (its client left first)."""
+        """Give back the reservation of a generation that never ran (its client left first); one that a tier
+        took (`begin`) but nobody read is aborted and billed for what ran."""
         if self.status == "pending" and not self.charged:
+            if self._stream is not None:
+                self.status = "aborted"
+                with anyio.CancelScope(shield=True):
+                    await self._settle_stream([None] * len(self.requests), self._started or time.perf_counter())
+                return
             self.status = "abandoned"
             await self._release()
 
@@ -233,16 +324,45 @@ class Generation:
             await self.budgets.settle(self.reservation, Decimal(0), 0)
 
 
+class _Primed:
+    """A stream whose first output `begin` already read (to know the tier answers); it is delivered first."""
+
+    def __init__(self, stream: OutputStream, first: RequestOutput) -> None:
+        self._stream = stream
+        self._first: RequestOutput | None = first
+
+    @property
+    def last(self) -> dict[str, RequestOutput]:
+        return self._stream.last
+
+    def __aiter__(self) -> _Primed:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._first is not None:
+            first, self._first = self._first, None
+            return first
+        return await anext(self._stream)
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+
+def _failed_before_output(out: RequestOutput) -> bool:
+    return out.finish_reason is FinishReason.ERROR and out.completion_tokens == 0
+
+
 class Pipeline:
     def __init__(
         self,
-        engines: Mapping[str, AsyncEngine],
+        engines: Mapping[str, TierEngine],
         ledger: Ledger,
         settings: Settings,
         policies: PolicyStore,
         budgets: Budgets,
         cache: CacheStage | None = None,
         metrics: Metrics | None = None,
+        routing: RoutingStage | None = None,
     ) -> None:
         self.engines = dict(engines)
         self.ledger = ledger
@@ -251,13 +371,14 @@ class Pipeline:
         self.budgets = budgets
         self.cache = cache
         self.metrics = metrics
+        self.routing = routing or RoutingStage(None, self.engines)
 
     async def policy(self, principal: Principal) -> Versioned:
         if (hit := self.policies.cached(principal.tenant_id)) is not None:
             return hit  # the common case: no thread hop
         return await anyio.to_thread.run_sync(self.policies.current, principal.tenant_id)
 
-    def engine(self, model: str, policy: Policy) -> AsyncEngine:
+    def engine(self, model: str, policy: Policy) -> TierEngine:
         engine = self.engines.get(model)
         if engine is None:
             raise model_not_found(model)
@@ -269,17 +390,33 @@ class Pipeline:
                 code="model_not_allowed",
                 param="model",
             )
-        if not engine.alive:
-            raise _unavailable(model)
         return engine
+
+    def candidates(self, model: str, policy: Policy, requests: list[EngineRequest]) -> list[Candidate]:
+        """The live tiers that may serve, in order: `model`, then its fallback chain (tiers the policy allows
+        and whose context takes these requests)."""
+        out: list[Candidate] = []
+        name: str | None = model
+        seen: set[str] = set()
+        while name is not None and name not in seen:
+            seen.add(name)
+            engine, tier = self.engines.get(name), self.settings.tiers.get(name)
+            if engine is not None and engine.alive and (name == model or _fits(engine, requests, policy, name)):
+                out.append(Candidate(name, engine, _checkpoint(self.settings, name)))
+            name = tier.fallback if tier else None
+        return out
 
     async def start_chat(
         self, principal: Principal, body: ChatCompletionRequest, cache_header: str | None = None
     ) -> Generation:
         policy = await self.policy(principal)
-        engine = self.engine(body.model, policy.policy)
+        routed = self.routing.wants(body.model, policy.policy)
+        if not routed:
+            self.engine(body.model, policy.policy)  # an unknown or forbidden tier is refused before anything else
         _reject_unsupported(body, UNSUPPORTED_CHAT)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+        route = await self.routing.route(principal, policy.policy, [messages]) if routed else None
+        engine = self.engine(route.tier if route else body.model, policy.policy)
         try:
             prompt = await _tokenize(sum(len(m["content"]) for m in messages), engine.tokenizer.encode_chat, messages)
         except ChatTemplateError as exc:
@@ -287,20 +424,26 @@ class Pipeline:
         max_tokens = body.max_completion_tokens or body.max_tokens
         return await self._generation(
             "chat.completions", "chatcmpl", principal, policy, body, engine, [prompt], max_tokens,
-            messages, cache_header,
+            messages, cache_header, route, [messages],
         )  # fmt: skip
 
     async def start_completion(
         self, principal: Principal, body: CompletionRequest, cache_header: str | None = None
     ) -> Generation:
         policy = await self.policy(principal)
-        engine = self.engine(body.model, policy.policy)
+        routed = self.routing.wants(body.model, policy.policy)
+        if not routed:
+            self.engine(body.model, policy.policy)
         _reject_unsupported(body, UNSUPPORTED_COMPLETION)
+        conversations = _prompt_conversations(body.prompt) if routed else []
+        route = await self.routing.route(principal, policy.policy, conversations) if routed else None
+        engine = self.engine(route.tier if route else body.model, policy.policy)
         size = len(body.prompt) if isinstance(body.prompt, str) else INLINE_TOKENIZE_CHARS  # lists: off the loop
         prompts = await _tokenize(size, _completion_prompts, body.prompt, engine.tokenizer)
         return await self._generation(
-            "completions", "cmpl", principal, policy, body, engine, prompts, body.max_tokens, body.prompt, cache_header
-        )
+            "completions", "cmpl", principal, policy, body, engine, prompts, body.max_tokens, body.prompt,
+            cache_header, route, conversations,
+        )  # fmt: skip
 
     async def _generation(
         self,
@@ -309,12 +452,17 @@ class Pipeline:
         principal: Principal,
         policy: Versioned,
         body: ChatCompletionRequest | CompletionRequest,
-        engine: AsyncEngine,
+        engine: TierEngine,
         prompts: list[list[int]],
         max_tokens: int | None,
         conversation: Any,
         cache_header: str | None,
+        route: RouteDecision | None,
+        conversations: list[Any],
     ) -> Generation:
+        tier = route.tier if route is not None else body.model  # the answer's tier: the cache keys on it
+        if route is not None and self.metrics is not None:
+            self.metrics.record_route(route.seconds)
         if body.n * len(prompts) > self.settings.max_n:
             raise invalid(f"at most {self.settings.max_n} choices per request (n × prompts)", param="n")
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
@@ -330,14 +478,18 @@ class Pipeline:
                 asked.append(wanted)
         prompt_tokens = sum(len(p) for p in prompts)
         completion_max = sum(r.params.max_tokens for r in requests)
+        candidates = self.candidates(tier, policy.policy, requests)
+        if not candidates:
+            raise _unavailable(body.model)
         cache = BYPASS
         if self.cache is not None:
             mode = cache_mode(body.model_extra, cache_header)
             cache = await self.cache.lookup(
-                principal.tenant_id, policy.policy.cache, mode, endpoint, body.model, conversation,
+                principal.tenant_id, policy.policy.cache, mode, endpoint, tier, conversation,
                 _answer_params(body, requests[0].params),
             )  # fmt: skip
-        worst_money = worst_case(policy.policy, body.model, prompt_tokens, completion_max)
+        # The worst case on whichever candidate may end up serving: a fallback is billed at its own prices.
+        worst_money = max(worst_case(policy.policy, c.name, prompt_tokens, completion_max) for c in candidates)
         if cache.answer is not None:  # a hit costs nothing; rate limits still count it
             worst_money, prompt_tokens_worst, completion_max = Decimal(0), 0, 0
         else:
@@ -350,32 +502,38 @@ class Pipeline:
             worst_money,
             prompt_tokens_worst + completion_max,
         )
-        tier = self.settings.tiers.get(body.model)
+        serving = Candidate(tier, engine, _checkpoint(self.settings, tier))
+        if cache.answer is None:  # a cached answer is the requested tier's, even while it is down
+            serving = candidates[0]
         return Generation(
             request_id=request_id,
             endpoint=endpoint,
             model=body.model,
             principal=principal,
-            engine=engine,
+            candidates=candidates,
             requests=requests,
             prompt_tokens=prompt_tokens,
             ledger=self.ledger,
             budgets=self.budgets,
             policy=policy,
             reservation=reservation,
-            tier_model=tier.model if tier else body.model,
+            tier=serving.name,
+            tier_model=serving.checkpoint,
             requested_max=asked,
             requested_max_tokens=max_tokens,
             num_prompts=len(prompts),
             cache=cache,
             cache_stage=self.cache,
             metrics=self.metrics,
+            route=route,
+            routing=self.routing,
+            conversations=conversations,
         )
 
     def _params(
         self,
         body: ChatCompletionRequest | CompletionRequest,
-        engine: AsyncEngine,
+        engine: TierEngine,
         prompt: list[int],
         max_tokens: int | None,
         policy: Policy,
@@ -445,6 +603,27 @@ def model_not_found(model: str) -> APIError:
     )
 
 
+def _checkpoint(settings: Settings, name: str) -> str:
+    tier = settings.tiers.get(name)
+    return tier.model if tier else name
+
+
+def _fits(engine: TierEngine, requests: list[EngineRequest], policy: Policy, name: str) -> bool:
+    """May fallback tier `name` serve these requests: allowed by the policy, and within its context?"""
+    if not policy.allows(name):
+        return False
+    try:
+        for r in requests:
+            engine.check(r.prompt_token_ids, r.params.max_tokens)
+    except RequestRejected:
+        return False
+    return True
+
+
+def _prompt_param(endpoint: str) -> str:
+    return "messages" if endpoint == "chat.completions" else "prompt"
+
+
 def _unavailable(model: str) -> APIError:
     return APIError(503, f"The model `{model}` is not serving right now; retry shortly.", code="engine_unavailable")
 
@@ -465,6 +644,14 @@ async def _tokenize(chars: int, fn: Callable[..., T], *args: Any) -> T:
     if chars < INLINE_TOKENIZE_CHARS:
         return fn(*args)
     return await anyio.to_thread.run_sync(fn, *args)
+
+
+def _prompt_conversations(prompt: str | list[str] | list[int] | list[list[int]]) -> list[Any]:
+    """Text prompts as the one-turn conversations the router reads; token ids it cannot read."""
+    texts = [prompt] if isinstance(prompt, str) else prompt
+    if not all(isinstance(t, str) for t in texts):
+        raise invalid("`model: auto` routes text prompts; name a tier to send token ids.", param="prompt")
+    return [[{"role": "user", "content": t}] for t in texts]
 
 
 def _completion_prompts(prompt: str | list[str] | list[int] | list[list[int]], tokenizer: Tokenizer) -> list[list[int]]:

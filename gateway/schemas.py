@@ -1,7 +1,9 @@
 """Pydantic models of the OpenAI-compatible API: what clients send and what we answer.
 
 Requests accept and ignore fields we do not know (as vLLM does) but reject, with a 400 naming the
-field, features we know and do not serve yet, rather than silently answering something else.
+field, features we know and do not serve yet, rather than silently answering something else. Known
+fields are strict: a number for a string, or a string or boolean for a number, is a 422 naming the
+field, as the OpenAPI document says, rather than a guess at what the client meant.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 # Fields clients may send that we do not serve yet; setting one to a non-default value is a 400.
 UNSUPPORTED_CHAT = (
@@ -27,29 +29,53 @@ UNSUPPORTED_CHAT = (
 )
 UNSUPPORTED_COMPLETION = ("logit_bias", "logprobs", "echo", "suffix", "best_of")
 
-Stop = str | Annotated[list[str], Field(max_length=16)] | None
+
+def _unicode(text: str) -> str:
+    """JSON can escape a lone surrogate (`\\ud800`), which no tokenizer or UTF-8 store accepts: refuse it here."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        raise ValueError("must be valid Unicode (it holds a lone surrogate)") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+Stop = Text | Annotated[list[Text], Field(max_length=16)] | None
+
+# The sampler divides logits by the temperature and cuts top-p mass in float32, where a value this
+# small under- or overflows (5e-324 is 0 in float32); the answer below it is the greedy one anyway.
+TINY = 1e-6
+Temperature = Annotated[float, Field(ge=0.0, le=2.0), AfterValidator(lambda t: 0.0 if t < TINY else t)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0), AfterValidator(lambda p: max(p, TINY))]
+INT32_MAX = 2**31 - 1  # token counts are stored in 32-bit columns
+SEED = 2**63  # torch seeds its generators from 64 bits
+# Messages or prompts per request, at most: every one is templated and tokenized before the context
+# check can refuse them, so 100k empty ones would cost seconds of CPU on the event loop.
+MAX_ITEMS = 2048
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
-    model: str = Field(min_length=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    model: Text = Field(min_length=1)
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     top_k: int | None = Field(None, ge=0, description="extension: keep only the k most likely tokens")
     n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Stop = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-SEED, lt=SEED - 64)  # room for one seed per choice
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    max_tokens: int | None = Field(None, ge=1)
-    user: str | None = None
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    user: Text | None = None
 
     def unsupported(self, names: tuple[str, ...]) -> str | None:
         extra = self.model_extra or {}
@@ -63,16 +89,18 @@ class _Request(BaseModel):
 
 
 class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -81,12 +109,20 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Request):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_ITEMS)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+
+
+Prompt = (
+    Annotated[Text, Field(min_length=1)]
+    | Annotated[list[Text], Field(min_length=1, max_length=MAX_ITEMS)]
+    | Annotated[list[int], Field(min_length=1)]
+    | Annotated[list[list[int]], Field(min_length=1, max_length=MAX_ITEMS)]
+)
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(min_length=1)
+    prompt: Prompt
 
 
 class Usage(BaseModel):

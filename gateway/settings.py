@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, SecretStr, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -57,9 +57,37 @@ class TierSettings(BaseModel):
     num_speculative_tokens: int = Field(4, ge=1, le=16, description="most drafted tokens per step")
     draft_vocab: int = Field(0, ge=0, description="> 0: the draft proposes only this many frequent tokens")
 
+    # A remote tier: another OpenAI-compatible server generates; `model` then only names the tokenizer
+    # (and context length) prompts are tokenized with here.
+    url: str | None = Field(None, description="root URL of an OpenAI-compatible server serving this tier")
+    remote_model: str | None = Field(None, description="the model name the remote serves; default: `model`")
+    api_key: SecretStr | None = Field(None, description="bearer key for the remote")
+    api_key_env: str | None = Field(None, description="name of an environment variable holding the remote's key")
+    timeout_s: float = Field(600.0, gt=0, description="a remote call from start to last token, retries included")
+    connect_timeout_s: float = Field(5.0, gt=0)
+    read_timeout_s: float = Field(60.0, gt=0, description="the longest silence between two streamed chunks")
+    max_connections: int = Field(100, ge=1, description="pooled connections to the remote")
+    max_retries: int = Field(2, ge=0, le=10, description="retries of a remote call that failed before its first token")
+    breaker_failures: int = Field(5, ge=1, description="consecutive remote failures that open the circuit")
+    breaker_cooldown_s: float = Field(30.0, gt=0, description="how long an open circuit refuses calls")
+    fallback: str | None = Field(None, description="the tier serving this one's requests while it is down")
+
     @property
     def is_registry_model(self) -> bool:
         return self.model in REGISTRY
+
+    @property
+    def is_remote(self) -> bool:
+        return self.url is not None
+
+    def remote_api_key(self) -> str | None:
+        if self.api_key is not None:
+            return self.api_key.get_secret_value()
+        if self.api_key_env is None:
+            return None
+        if (key := os.environ.get(self.api_key_env)) is None:
+            raise ValueError(f"api_key_env names {self.api_key_env}, which is not set")
+        return key
 
 
 # Named sets of tiers. default: the product's shape, a 0.5B and a 1.5B Qwen2.5-Coder sharing a
@@ -99,17 +127,25 @@ class Settings(BaseSettings):
     console_secret: str | None = Field(
         None, description="signs web console sessions; default: random per process (a restart signs everyone out)"
     )
+    key_secret: SecretStr | None = Field(
+        None, description="HMAC secret for stored API keys; replicas must share it; default: `key-secret` in home"
+    )
     prefix_cache_scope: Literal["tenant", "shared"] = Field(
         "tenant", description="tenant: cached prompt prefixes are reused only within a tenant"
     )
+    router_dir: Path | None = Field(None, description='the trained router `model: "auto"` uses; default: home/router')
+    router_threads: int = Field(1, ge=1, description="torch threads of the routing thread (the engines use the rest)")
 
     @model_validator(mode="after")
     def _tiers(self) -> Settings:
         if not self.tiers:
             self.tiers = {name: TierSettings(**tier) for name, tier in PROFILES[self.profile].items()}
+        if "auto" in self.tiers:
+            raise ValueError('no tier may be named "auto": `model: "auto"` asks the router to pick one')
         for name, tier in self.tiers.items():
             if tier.speculative == "draft" and (tier.draft_tier not in self.tiers or tier.draft_tier == name):
                 raise ValueError(f"tier {name!r}: draft_tier must name another tier, not {tier.draft_tier!r}")
+            _check_remote(name, tier, self.tiers)
         return self
 
     @classmethod
@@ -129,6 +165,10 @@ class Settings(BaseSettings):
         return self.home.expanduser()
 
     @property
+    def router_path(self) -> Path:
+        return self.router_dir.expanduser() if self.router_dir else self.home_dir / "router"
+
+    @property
     def database(self) -> str:
         return self.database_url or f"sqlite:///{self.home_dir / 'switchboard.db'}"
 
@@ -142,3 +182,18 @@ class Settings(BaseSettings):
     @property
     def max_threads(self) -> int:
         return max((t.threads or os.cpu_count() or 1) for t in self.tiers.values())
+
+
+def _check_remote(name: str, tier: TierSettings, tiers: dict[str, TierSettings]) -> None:
+    """Remote tiers run no model here, and fallbacks must end somewhere."""
+    if tier.is_remote and (tier.speculative != "off" or tier.kv_tier):
+        raise ValueError(f"tier {name!r} is remote (url): it cannot speculate or use the KV tier")
+    if tier.speculative == "draft" and tier.draft_tier and tiers[tier.draft_tier].is_remote:
+        raise ValueError(f"tier {name!r}: draft tier {tier.draft_tier!r} is remote; a draft must run here")
+    seen = [name]
+    while (fallback := tiers[seen[-1]].fallback) is not None:
+        if fallback not in tiers:
+            raise ValueError(f"tier {seen[-1]!r}: fallback {fallback!r} is not a tier; tiers: {', '.join(tiers)}")
+        if fallback in seen:
+            raise ValueError(f"tier fallbacks form a cycle: {' -> '.join([*seen, fallback])}")
+        seen.append(fallback)

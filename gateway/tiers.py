@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
+from pathlib import Path
 
 from engines.async_engine import AsyncEngine
 from engines.engine import Engine, EngineConfig
 from engines.fetch import FetchError, fetch_model, is_fetched
+from engines.fetch import model_dir as registry_model_dir
 from engines.kv_budget import KVBudget
 from engines.kv_tier import KVTier, checkpoint_fingerprint
 from engines.model_loader import load_model
+from engines.protocol import TierEngine
 from engines.quantized_checkpoint import is_quantized_dir
+from engines.remote_engine import RemoteConfig, RemoteEngine
 from engines.speculator import SpeculativeConfig
 from engines.tokenizer import Tokenizer
 from gateway.settings import Settings, TierSettings
@@ -24,7 +29,8 @@ def ensure_models(settings: Settings, *, progress: bool = True) -> None:
     for name, tier in settings.tiers.items():
         if not tier.is_registry_model:
             continue
-        quantized = tier.weights != "bf16"
+        # A remote tier needs only the tokenizer, which comes with the whole (bf16) registry model.
+        quantized = tier.weights != "bf16" and not tier.is_remote
         if quantized and is_quantized_dir(settings.model_dir(tier)):
             continue
         if not quantized and is_fetched(settings.home_dir, tier.model):
@@ -39,19 +45,24 @@ def ensure_models(settings: Settings, *, progress: bool = True) -> None:
             fetch_model(tier.model, settings.home_dir, progress=progress)
 
 
-def load_engines(settings: Settings) -> dict[str, AsyncEngine]:
+def load_engines(settings: Settings) -> dict[str, TierEngine]:
     """One engine per distinct tier configuration; tiers naming the same one share it. Tiers without
     a pool of their own draw KV blocks from one budget (`kv_pool_bytes`); a tier speculating with a
-    draft tier uses that tier's loaded model, so its weights are in memory once."""
+    draft tier uses that tier's loaded model, so its weights are in memory once. A remote tier (`url`)
+    loads only its tokenizer."""
     ensure_models(settings)
-    shared = [t for t in settings.tiers.values() if t.kv_cache_bytes is None]
+    shared = [t for t in settings.tiers.values() if t.kv_cache_bytes is None and not t.is_remote]
     budget = KVBudget(int(settings.kv_pool_bytes)) if shared else None
     loaded: dict[tuple, AsyncEngine] = {}
     engines: dict[str, AsyncEngine] = {}
+    remote: dict[str, TierEngine] = {}
     # Draft tiers first: the tiers they draft for need their models.
     order = sorted(settings.tiers, key=lambda n: settings.tiers[n].speculative == "draft")
     for name in order:
         tier = settings.tiers[name]
+        if tier.is_remote:
+            remote[name] = load_remote(settings, name, tier)
+            continue
         draft = engines[tier.draft_tier].engine if tier.speculative == "draft" and tier.draft_tier else None
         kv_tier = (tier.kv_tier, tier.kv_tier_min_blocks)
         key = (str(settings.model_dir(tier)), tier.dtype, tier.weights, engine_config(tier), tier.draft_tier, kv_tier)
@@ -59,7 +70,46 @@ def load_engines(settings: Settings) -> dict[str, AsyncEngine]:
             engine = _load(settings, name, tier, draft, budget if tier.kv_cache_bytes is None else None)
             loaded[key] = AsyncEngine(engine, name=name, threads=tier.threads or settings.max_threads)
         engines[name] = loaded[key]
-    return {name: engines[name] for name in settings.tiers}
+    tiers: dict[str, TierEngine] = {**engines, **remote}
+    check_fallbacks(settings, tiers)
+    return {name: tiers[name] for name in settings.tiers}
+
+
+def load_remote(settings: Settings, name: str, tier: TierSettings) -> RemoteEngine:
+    """A tier another server generates for: its tokenizer and context length from `model`, calls to `url`."""
+    assert tier.url is not None
+    try:
+        api_key = tier.remote_api_key()
+    except ValueError as exc:
+        raise ValueError(f"tier {name!r}: {exc}") from None
+    config = RemoteConfig(
+        url=tier.url,
+        model=tier.remote_model or tier.model,
+        api_key=api_key,
+        timeout_s=tier.timeout_s,
+        connect_timeout_s=tier.connect_timeout_s,
+        read_timeout_s=tier.read_timeout_s,
+        max_connections=tier.max_connections,
+        max_retries=tier.max_retries,
+        breaker_failures=tier.breaker_failures,
+        breaker_cooldown_s=tier.breaker_cooldown_s,
+    )
+    model_dir = registry_model_dir(settings.home_dir, tier.model) if tier.is_registry_model else Path(tier.model)
+    engine = RemoteEngine.from_dir(model_dir.expanduser(), config, name=name, max_model_len=tier.max_model_len)
+    log.info("tier %s: remote %s at %s, tokenized as %s", name, config.model, config.url, tier.model)
+    return engine
+
+
+def check_fallbacks(settings: Settings, engines: Mapping[str, TierEngine]) -> None:
+    """A fallback serves the very prompt ids its tier tokenized, so both must share one vocabulary."""
+    for name, tier in settings.tiers.items():
+        if (fallback := tier.fallback) is None:
+            continue
+        if engines[name].tokenizer.hf.get_vocab() != engines[fallback].tokenizer.hf.get_vocab():
+            raise ValueError(
+                f"tier {name!r}: fallback {fallback!r} tokenizes with another vocabulary, so it cannot serve "
+                "this tier's prompts; pick a fallback with the same tokenizer"
+            )
 
 
 def engine_config(tier: TierSettings) -> EngineConfig:

@@ -10,6 +10,13 @@ spend past a hard budget: each one's worst case was already counted when it was 
 Spend counters are a cache of SQL (the ledger's daily rollup is the truth): a missing counter (a new
 day or month, a restarted Redis) is loaded from SQL before deciding, and `reconcile` rewrites every
 counter as SQL's total plus the reservations still in flight.
+
+When the counters cannot be reached, tenants with a hard budget or a rate limit get a 503 and the
+others are served uncounted. Once they answer again, settlements that failed meanwhile are retried
+and the counters are rebuilt from SQL; so is every counter a settlement finds no longer holding its
+reservation (a Redis that restarted empty). A rebuild is exact under load: each tenant's counters are
+rewritten only if no reservation or settlement of that tenant happened between reading SQL and
+writing them (else it reads again).
 """
 
 from __future__ import annotations
@@ -25,10 +32,11 @@ from decimal import Decimal
 import anyio
 from redis.exceptions import RedisError
 from sqlalchemy import func, select
+from sqlalchemy.orm import Session
 
-from gateway.db.database import Database
-from gateway.db.models import UsageDaily
-from gateway.errors import APIError
+from gateway.db.database import UNREACHABLE, Database
+from gateway.db.models import Usage, UsageDaily
+from gateway.errors import RETRY_HEADERS, APIError
 from policies.counters import Counters, Item, Missing
 from policies.policy import Budget, Policy
 from policies.pricing import from_units, to_units
@@ -43,9 +51,10 @@ MINUTE_TTL = 120
 @dataclass(frozen=True)
 class Reservation:
     resv_id: str
-    items: list[Item]
+    items: list[Item]  # empty: admitted uncounted while the counters were down
     money_units: int  # the worst-case cost reserved
     tokens: int  # the worst-case tokens reserved
+    version: str | None = None  # the tenant's version counter, bumped when this settles
 
 
 def period_window(period: str, day: date) -> tuple[str, date, date]:
@@ -59,17 +68,29 @@ def period_window(period: str, day: date) -> tuple[str, date, date]:
 
 class Budgets:
     RETRY_AFTER = 1.0  # seconds without trying the counters after they failed
+    REBUILD_TRIES = 50  # reads of SQL per tenant before a rebuild gives up (the next repair tries again)
+    MAX_UNSETTLED = 10_000  # settlements kept to retry after an outage; past that, the rebuild covers them
 
     def __init__(self, db: Database, counters: Counters, namespace: str = "sb") -> None:
         self.db = db
         self.counters = counters
         self.ns = namespace
         self._down_until = 0.0  # while the counters are known down, don't make each request wait on them
-        self._missed = False  # requests ran uncounted: rebuild the counters from SQL once they are back
+        self._missed = False  # the counters missed something: rebuild them from SQL once they answer
+        self._unsettled: dict[str, tuple[Reservation, Decimal, int]] = {}  # failed settlements, to retry
         self._repair: asyncio.Task | None = None
 
     def spend_key(self, tenant_id: int, period: str, window: str, unit: str) -> str:
         return f"{self.ns}:spend:{tenant_id}:{period}:{window}:{unit}"
+
+    @property
+    def rebuilding(self) -> bool:
+        """A rebuild of the counters from SQL is running in the background (after an outage)."""
+        return self._repair is not None
+
+    def version_key(self, tenant_id: int) -> str:
+        """Bumped by every reservation and settlement of the tenant: a rebuild's check that none raced it."""
+        return f"{self.ns}:spend:{tenant_id}:version"
 
     async def admit(
         self,
@@ -105,54 +126,57 @@ class Budgets:
                 items.append(Item(f"{self.ns}:rate:{scope}:{ident}:{minute}:requests", 1, rpm, MINUTE_TTL))
             if tpm is not None:
                 items.append(Item(f"{self.ns}:rate:{scope}:{ident}:{minute}:tokens", worst_tokens, tpm, MINUTE_TTL))
+        version = self.version_key(tenant_id)
+        backing_off = time.monotonic() < self._down_until
         try:
-            if time.monotonic() < self._down_until:
+            if backing_off:
                 raise RedisError("budget counters are down (backing off)")
             for _ in range(3):
-                try:
-                    refused = await self.counters.reserve(resv_id, items)
+                try:  # the version item: a reservation bumps it, so a concurrent rebuild reads SQL again
+                    refused = await self.counters.reserve(resv_id, [*items, Item(version, 1, None, MONTH_TTL)])
                     break
                 except Missing as missing:
                     await self._seed(missing.keys, tenant_id, today)
             else:
                 raise RuntimeError("budget counters could not be seeded")
-        except (RedisError, OSError, RuntimeError) as exc:
-            if time.monotonic() >= self._down_until:
+        except (RedisError, OSError, RuntimeError, *UNREACHABLE) as exc:
+            if isinstance(exc, UNREACHABLE):  # SQL could not seed a counter: Redis itself is fine
+                log.warning("budget counters cannot be seeded: the database is unreachable (%s)", type(exc).__name__)
+            elif not backing_off:  # only a real attempt restarts the wait: steady traffic must not defer it forever
                 log.warning("budget counters unavailable (%s); retrying in %.0f s", exc, self.RETRY_AFTER)
-            self._down_until = max(self._down_until, time.monotonic() + self.RETRY_AFTER)
+                self._down_until = time.monotonic() + self.RETRY_AFTER
             if any(it.limit is not None for it in items):  # fail closed: a hard budget or a limit is a promise
                 raise APIError(
-                    503, "Budgets cannot be checked right now; retry shortly.", code="budget_unavailable"
+                    503,
+                    "Budgets cannot be checked right now; retry shortly.",
+                    code="budget_unavailable",
+                    headers=RETRY_HEADERS,
                 ) from exc
             self._missed = True  # nothing to enforce: serve it; the ledger still records it
-            return Reservation(resv_id, [], 0, 0)
-        if self._missed and self._repair is None:  # back after an outage: count what ran meanwhile
-            self._missed = False
-            self._repair = asyncio.get_running_loop().create_task(self._reconcile_after_outage())
+            return Reservation(resv_id, [], 0, 0, version)
+        self._repair_if_missed()
         if refused is not None:
             raise _refusal(items[refused.index], refused.current, budgets, now)
-        return Reservation(resv_id, items, money, worst_tokens)
+        return Reservation(resv_id, items, money, worst_tokens, version)
 
     async def settle(self, resv: Reservation, cost: Decimal, tokens: int) -> None:
         """Replace the reservation by what was spent. Never raises: the ledger row is already written,
-        and if the counters cannot be reached, `reconcile` rebuilds them from it."""
+        and if the counters cannot be reached, the settlement is retried and the counters rebuilt from
+        SQL once they answer again."""
         try:
-            await self._settle(resv, cost, tokens)
-        except (RedisError, OSError):
-            log.exception("could not settle reservation %s; `switchboard budgets reconcile` repairs it", resv.resv_id)
-
-    async def _reconcile_after_outage(self) -> None:
-        try:
-            log.info("budget counters are back: rebuilt %d from the ledger", await self.reconcile())
-        except Exception:  # the next outage's recovery tries again
-            log.exception("rebuilding the budget counters after an outage failed")
+            held = await self._settle(resv, cost, tokens)
+        except (RedisError, OSError) as exc:
+            log.warning("could not settle reservation %s (%s); retrying once the counters answer", resv.resv_id, exc)
+            if len(self._unsettled) < self.MAX_UNSETTLED:
+                self._unsettled[resv.resv_id] = (resv, cost, tokens)
             self._missed = True
-        finally:
-            self._repair = None
-
-    async def _settle(self, resv: Reservation, cost: Decimal, tokens: int) -> None:
-        if not resv.items:  # admitted uncounted while the counters were down
             return
+        if not held:  # uncounted, or its reservation was lost (Redis restarted empty): count it from SQL
+            self._missed = True
+        self._repair_if_missed()
+
+    async def _settle(self, resv: Reservation, cost: Decimal, tokens: int) -> bool:
+        """Settle on the counters; True if the reservation was still held there."""
         money = to_units(cost)
         deltas = []
         for it in resv.items:
@@ -162,7 +186,29 @@ class Budgets:
                 deltas.append((it.key, tokens - resv.tokens))
             else:
                 deltas.append((it.key, 0))
-        await self.counters.settle(resv.resv_id, deltas)
+        if not deltas and resv.version is None:
+            return True  # nothing was counted and no rebuild can be told: settled as far as it can be
+        return await self.counters.settle(resv.resv_id, deltas, resv.version, MONTH_TTL)
+
+    def _repair_if_missed(self) -> None:
+        """The counters answer: if they missed something, rebuild them in the background."""
+        if self._missed and self._repair is None:
+            self._repair = asyncio.get_running_loop().create_task(self._repair_counters())
+
+    async def _repair_counters(self) -> None:
+        try:
+            while self._missed:  # whatever is missed while a rebuild runs gets one more
+                self._missed = False
+                while self._unsettled:  # each applied only if Redis still holds its reservation
+                    rid, (resv, cost, tokens) = next(iter(self._unsettled.items()))
+                    await self._settle(resv, cost, tokens)
+                    del self._unsettled[rid]
+                log.info("budget counters are back: rebuilt %d from the ledger", await self.reconcile())
+        except Exception:  # the next request that reaches the counters tries again
+            log.exception("rebuilding the budget counters after an outage failed")
+            self._missed = True
+        finally:
+            self._repair = None
 
     async def spent(self, tenant_id: int, period: str, day: date | None = None) -> tuple[Decimal, int]:
         """(money, tokens) counted this period, reservations in flight included."""
@@ -181,23 +227,66 @@ class Budgets:
         process's) are dropped. Returns how many counters were rewritten."""
         ages = await self.counters.reservation_ages()
         await self.counters.drop([rid for rid, age in ages.items() if age > stale_after])
-        in_flight: dict[str, int] = {}
-        for items in (await self.counters.outstanding()).values():
-            for key, amount in items:
-                in_flight[key] = in_flight.get(key, 0) + amount
         today = datetime.now(UTC).date()
-        tenant_ids = await anyio.to_thread.run_sync(self._tenant_ids)
         n = 0
-        for tid in tenant_ids:
-            for period in ("daily", "monthly"):
-                window, first, last = period_window(period, today)
-                money, tokens = await anyio.to_thread.run_sync(self._sql_totals, tid, first, last)
-                ttl = DAY_TTL if period == "daily" else MONTH_TTL
-                for unit, value in (("money", to_units(money)), ("tokens", tokens)):
-                    key = self.spend_key(tid, period, window, unit)
-                    await self.counters.put(key, value + in_flight.get(key, 0), ttl)
-                    n += 1
+        for tid in await anyio.to_thread.run_sync(self._tenant_ids):
+            n += await self._rebuild(tid, today)
         return n
+
+    async def _rebuild(self, tenant_id: int, today: date) -> int:
+        """One tenant's spend counters as SQL's settled total plus what its held reservations reserved.
+
+        A request's ledger row commits before it settles, so a row can be in SQL while its reservation
+        is still held: such rows count as their reservation, not twice. The counters are written only
+        if the tenant's version counter did not move meanwhile (no reservation or settlement raced the
+        read); otherwise SQL is read again."""
+        windows = {period: period_window(period, today) for period in ("daily", "monthly")}
+        counters = {
+            self.spend_key(tenant_id, period, window, unit): (period, unit)
+            for period, (window, _, _) in windows.items()
+            for unit in ("money", "tokens")
+        }
+        version = self.version_key(tenant_id)
+        for _ in range(self.REBUILD_TRIES):
+            seen = await self.counters.get(version)  # first: a reservation after this read moves it
+            held: dict[str, int] = {}
+            holders: set[str] = set()
+            for rid, items in (await self.counters.outstanding()).items():
+                for key, amount in items:
+                    if key in counters:
+                        held[key] = held.get(key, 0) + amount
+                        holders.add(rid)
+            settled = await anyio.to_thread.run_sync(self._settled_totals, tenant_id, windows, holders)
+            values = {}
+            for key, (period, unit) in counters.items():
+                money, tokens = settled[period]
+                value = to_units(money) if unit == "money" else tokens
+                values[key] = (value + held.get(key, 0), DAY_TTL if period == "daily" else MONTH_TTL)
+            if await self.counters.rebuild(version, seen, values):
+                return len(values)
+        raise RuntimeError(f"tenant {tenant_id}'s counters kept changing while they were rebuilt")
+
+    def _settled_totals(
+        self, tenant_id: int, windows: dict[str, tuple[str, date, date]], holders: set[str]
+    ) -> dict[str, tuple[Decimal, int]]:
+        """Per period, the tenant's ledger totals without the rows of reservations still held, read
+        in one snapshot so that no row commits between the totals and the rows taken out of them."""
+        out: dict[str, tuple[Decimal, int]] = {}
+        with self.db.snapshot() as s:
+            held_rows = []
+            if holders:
+                held_rows = s.execute(
+                    select(Usage.created_at, Usage.cost, Usage.prompt_tokens + Usage.completion_tokens).where(
+                        Usage.tenant_id == tenant_id, Usage.request_id.in_(holders)
+                    )
+                ).all()
+            for period, (_, first, last) in windows.items():
+                money, tokens = _totals(s, tenant_id, first, last)
+                for created, cost, used in held_rows:
+                    if first <= _utc_day(created) <= last:  # the rollup's day: UTC
+                        money, tokens = money - Decimal(cost), tokens - int(used)
+                out[period] = (money, tokens)
+        return out
 
     async def _seed(self, keys: list[str], tenant_id: int, today: date) -> None:
         for key in keys:
@@ -209,17 +298,27 @@ class Budgets:
 
     def _sql_totals(self, tenant_id: int, first: date, last: date) -> tuple[Decimal, int]:
         with self.db.session() as s:
-            money, tokens = s.execute(
-                select(
-                    func.coalesce(func.sum(UsageDaily.cost), 0),
-                    func.coalesce(func.sum(UsageDaily.prompt_tokens + UsageDaily.completion_tokens), 0),
-                ).where(UsageDaily.tenant_id == tenant_id, UsageDaily.day >= first, UsageDaily.day <= last)
-            ).one()
-        return Decimal(money), int(tokens)
+            return _totals(s, tenant_id, first, last)
 
     def _tenant_ids(self) -> list[int]:
         with self.db.session() as s:
             return list(s.scalars(select(UsageDaily.tenant_id).distinct()))
+
+
+def _totals(s: Session, tenant_id: int, first: date, last: date) -> tuple[Decimal, int]:
+    """The tenant's money and tokens from the daily rollup, `first` to `last` inclusive."""
+    money, tokens = s.execute(
+        select(
+            func.coalesce(func.sum(UsageDaily.cost), 0),
+            func.coalesce(func.sum(UsageDaily.prompt_tokens + UsageDaily.completion_tokens), 0),
+        ).where(UsageDaily.tenant_id == tenant_id, UsageDaily.day >= first, UsageDaily.day <= last)
+    ).one()
+    return Decimal(money), int(tokens)
+
+
+def _utc_day(at: datetime) -> date:
+    """The UTC day of a stored timestamp (SQLite hands them back without a zone: they are UTC)."""
+    return (at if at.tzinfo is None else at.astimezone(UTC)).date()
 
 
 def _refusal(item: Item, current: int, budgets: dict[str, Budget], now: float) -> APIError:

@@ -2,8 +2,11 @@
 
 A reservation adds several amounts at once, all or nothing: if any counter with a limit would pass
 it, nothing is added and the caller learns which one refused. Settling adds the difference between
-what was reserved and what was spent. Reservations stay listed until settled so a reconciliation
-can rebuild the counters from SQL plus what is still in flight.
+what was reserved and what was spent, once, and only while the reservation is still listed (a Redis
+that restarted empty lost it, and its counters were loaded again from SQL without it). Reservations
+stay listed until settled so a reconciliation can rebuild the counters from SQL plus what is still in
+flight; `rebuild` writes them only if a version counter, which every reservation and settlement
+bumps, shows that none happened since the caller read what it rebuilt from.
 
 Money is counted in integer units of 1e-10 USD: Redis adds 64-bit integers exactly. The limit
 comparison runs in Lua's doubles, exact below 2^53 units (~$900k) and off by far less than a cent
@@ -47,7 +50,11 @@ class Refused:
 class Counters(Protocol):
     async def reserve(self, resv_id: str, items: list[Item]) -> Refused | None: ...
 
-    async def settle(self, resv_id: str, deltas: list[tuple[str, int]]) -> None: ...
+    async def settle(
+        self, resv_id: str, deltas: list[tuple[str, int]], bump: str | None = None, bump_ttl: int = 3600
+    ) -> bool: ...
+
+    async def rebuild(self, version: str, seen: int | None, values: dict[str, tuple[int, int]]) -> bool: ...
 
     async def seed(self, key: str, value: int, ttl: int) -> None: ...
 
@@ -88,12 +95,29 @@ redis.call('HSET', ARGV[1], ARGV[2], ARGV[3])
 return {0}
 """
 
+# ARGV: reservations hash, reservation id, key to bump ('' for none), its ttl, then one delta per KEYS.
 _SETTLE = """
-for i = 1, #KEYS do
-  if ARGV[2 + i] ~= '0' and redis.call('EXISTS', KEYS[i]) == 1 then redis.call('INCRBY', KEYS[i], ARGV[2 + i]) end
+local held = redis.call('HDEL', ARGV[1], ARGV[2])
+if held == 1 then
+  for i = 1, #KEYS do
+    if ARGV[4 + i] ~= '0' and redis.call('EXISTS', KEYS[i]) == 1 then redis.call('INCRBY', KEYS[i], ARGV[4 + i]) end
+  end
 end
-redis.call('HDEL', ARGV[1], ARGV[2])
-return 0
+if ARGV[3] ~= '' then
+  redis.call('INCR', ARGV[3])
+  redis.call('EXPIRE', ARGV[3], ARGV[4], 'NX')
+end
+return held
+"""
+
+# KEYS[1]: the version counter, then the counters to write; ARGV: the version the caller saw ('' for
+# none), then value and ttl per counter. Values stay strings: Lua's doubles would round large integers.
+_REBUILD = """
+if (redis.call('GET', KEYS[1]) or '') ~= ARGV[1] then return 0 end
+for i = 2, #KEYS do
+  redis.call('SET', KEYS[i], ARGV[2 * i - 2], 'EX', ARGV[2 * i - 1])
+end
+return 1
 """
 
 
@@ -119,6 +143,7 @@ class RedisCounters:
         self.namespace = namespace
         self._reserve = self.redis.register_script(_RESERVE)
         self._settle = self.redis.register_script(_SETTLE)
+        self._rebuild = self.redis.register_script(_REBUILD)
 
     @property
     def _resv_key(self) -> str:
@@ -133,8 +158,19 @@ class RedisCounters:
             raise Missing(list(result[1]))
         return None if result[0] == 0 else Refused(int(result[0]) - 1, int(result[1]))
 
-    async def settle(self, resv_id: str, deltas: list[tuple[str, int]]) -> None:
-        await self._settle(keys=[k for k, _ in deltas], args=[self._resv_key, resv_id, *(d for _, d in deltas)])
+    async def settle(
+        self, resv_id: str, deltas: list[tuple[str, int]], bump: str | None = None, bump_ttl: int = 3600
+    ) -> bool:
+        """Add `deltas` if the reservation is still held; bump `bump` either way. True if it was held."""
+        args = [self._resv_key, resv_id, bump or "", bump_ttl, *(d for _, d in deltas)]
+        return bool(await self._settle(keys=[k for k, _ in deltas], args=args))
+
+    async def rebuild(self, version: str, seen: int | None, values: dict[str, tuple[int, int]]) -> bool:
+        """Set each counter to its (value, ttl) if `version` still reads `seen`; False if it moved on."""
+        args: list[str | int] = ["" if seen is None else str(seen)]
+        for value, ttl in values.values():
+            args += [str(value), ttl]
+        return bool(await self._rebuild(keys=[version, *values], args=args))
 
     async def seed(self, key: str, value: int, ttl: int) -> None:
         await self.redis.set(key, value, ex=ttl, nx=True)
@@ -195,14 +231,29 @@ class LocalCounters:
             self._reservations[resv_id] = (now, [(it.key, it.amount) for it in items])
         return None
 
-    async def settle(self, resv_id: str, deltas: list[tuple[str, int]]) -> None:
+    async def settle(
+        self, resv_id: str, deltas: list[tuple[str, int]], bump: str | None = None, bump_ttl: int = 3600
+    ) -> bool:
         now = time.time()
         with self._lock:
-            for key, delta in deltas:
+            held = self._reservations.pop(resv_id, None) is not None
+            for key, delta in deltas if held else []:
                 cur = self._live(key, now)
                 if cur is not None and delta:
                     self._values[key] = (cur + delta, self._values[key][1])
-            self._reservations.pop(resv_id, None)
+            if bump is not None:
+                cur = self._live(bump, now)
+                self._values[bump] = ((cur or 0) + 1, now + bump_ttl if cur is None else self._values[bump][1])
+        return held
+
+    async def rebuild(self, version: str, seen: int | None, values: dict[str, tuple[int, int]]) -> bool:
+        now = time.time()
+        with self._lock:
+            if self._live(version, now) != seen:
+                return False
+            for key, (value, ttl) in values.items():
+                self._values[key] = (value, now + ttl)
+        return True
 
     async def seed(self, key: str, value: int, ttl: int) -> None:
         with self._lock:

@@ -8,7 +8,7 @@ path, which the admin API and the console show.
 from __future__ import annotations
 
 from decimal import Decimal
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -40,13 +40,38 @@ class TierPrice(_Strict):
         return self.completion if self.draft_accepted is None else self.draft_accepted
 
 
-class RouterSettings(_Strict):
-    """For the learned router: send a request to the large tier when P(small is good enough) falls
-    below `threshold`, or calibrate the threshold so `large_share` of calls go large."""
+class RouterCalibration(_Strict):
+    """A threshold computed on this tenant's own routed prompts (`switchboard router calibrate --tenant`)."""
 
-    mode: Literal["threshold", "large_share"] = "threshold"
+    threshold: float = Field(ge=0.0, le=1.0)
+    large_share: float = Field(ge=0.0, le=1.0, description="the share of the calibration prompts it sent large")
+    prompts: int = Field(ge=1, description="how many of the tenant's prompts it was computed on")
+    router: str = Field(min_length=1, max_length=128, description="the router it is for (its model's sha256)")
+
+
+class RouterSettings(_Strict):
+    """The learned router (`model: "auto"`): a request goes to the large tier when P(small is good enough)
+    falls below the threshold. Mode "threshold": `threshold` itself. Mode "large_share": the tenant's
+    `calibration` (if it was computed for the router being served), else the router's global threshold."""
+
+    mode: Literal["threshold", "large_share"] = "large_share"
     threshold: float = Field(0.5, ge=0.0, le=1.0)
-    large_share: float = Field(0.25, ge=0.0, le=1.0)
+    large_share: float = Field(0.25, ge=0.0, le=1.0, description="the share of large calls calibration aims for")
+    calibration: RouterCalibration | None = None
+    route_all: bool = Field(False, description="route every request, whatever tier its `model` names")
+    store_prompts: bool = Field(
+        False, description="keep routed conversations (SQL; and in shadow label rows) to calibrate and retrain on"
+    )
+    shadow_share: float = Field(
+        0.0, ge=0.0, le=1.0, description="share of routed small-tier answers re-run on the large tier and judged"
+    )
+    shadow_billed: bool = Field(False, description="shadow runs are priced and count against the budgets")
+
+    @model_validator(mode="after")
+    def _shadow_keeps_prompts(self) -> RouterSettings:
+        if self.shadow_share > 0 and not self.store_prompts:  # a label row without its conversation trains nothing
+            raise ValueError("shadow_share > 0 needs store_prompts: each label row keeps the conversation")
+        return self
 
 
 class SamplingLimits(_Strict):
@@ -81,6 +106,14 @@ class VerifierSettings(_Strict):
     enabled: list[str] = Field(default_factory=list)
     every_n_tokens: int = Field(16, ge=1)
     cascade: bool = False  # escalate a failed small-tier answer to the large tier
+
+
+class LoggingSettings(_Strict):
+    """What the gateway's log may hold about this tenant's traffic. Off by default: counts and ids only."""
+
+    log_prompts: bool = Field(
+        False, description="log each request's prompts and completions (with its request id and tenant id)"
+    )
 
 
 class RateLimits(_Strict):
@@ -123,9 +156,29 @@ class Policy(_Strict):
     cache: CacheSettings = Field(default_factory=CacheSettings)
     verifiers: VerifierSettings = Field(default_factory=VerifierSettings)
     rate_limits: RateLimits = Field(default_factory=RateLimits)
+    logging: LoggingSettings = Field(default_factory=LoggingSettings)
     budgets: list[Budget] = Field(default_factory=list, max_length=8)
     prices: dict[str, TierPrice] = Field(default_factory=lambda: dict(DEFAULT_PRICES))
     counterfactual_tier: str = Field("large", description="what every request is compared against")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode(cls, data: Any) -> Any:
+        """Refuse a lone surrogate (JSON can escape one) in any string or key: it could be stored but not served."""
+        stack = [data]
+        while stack:  # a loop, not recursion: how deep a body nests is the client's choice
+            item = stack.pop()
+            if isinstance(item, str):
+                try:
+                    item.encode()
+                except UnicodeEncodeError:
+                    raise ValueError("strings must be valid Unicode (one holds a lone surrogate)") from None
+            elif isinstance(item, dict):
+                stack.extend(item.keys())
+                stack.extend(item.values())
+            elif isinstance(item, list | tuple):
+                stack.extend(item)
+        return data
 
     @field_validator("budgets")
     @classmethod

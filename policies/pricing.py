@@ -4,6 +4,11 @@ Every request is compared with the counterfactual of serving it on the large tie
 no speculation and no policy cap. The difference splits exactly into levers:
 
     counterfactual − cost = routing + cache + speculation + policy + verifier
+
+Routing's saving is what the tier that served costs less than the large tier for the same tokens,
+whoever chose the tier (the router for `model: "auto"`, else the client). A shadow run (the router's
+online relabeling, `charge_shadow`) is routing's own overhead: an always-large gateway would never
+have run it, so its counterfactual is 0 and its price on the large tier is a negative routing saving.
 """
 
 from __future__ import annotations
@@ -65,6 +70,20 @@ def charge(policy: Policy, tier: str, t: Tokens) -> Charge:
         saved_speculation=t.draft_accepted * (p.completion - p.drafted) / PER_MILLION,
         saved_policy=t.policy_cut * large.completion / PER_MILLION,
         saved_verifier=t.verifier_cut * large.completion / PER_MILLION,
+    )
+
+
+def charge_shadow(policy: Policy, tier: str, t: Tokens) -> Charge:
+    """A shadow run's charge: its cost as on `tier`, against a counterfactual of nothing."""
+    c = charge(policy, tier, t)
+    p = policy.price(tier)
+    at_tier = (t.prompt * p.prompt + t.completion * p.completion) / PER_MILLION
+    return Charge(
+        cost=c.cost,
+        counterfactual=ZERO,
+        saved_routing=-at_tier,  # what routing's relabeling cost, before the KV cache and drafting saved some of it
+        saved_cache=c.saved_cache,
+        saved_speculation=c.saved_speculation,
     )
 
 

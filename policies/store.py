@@ -3,11 +3,14 @@
 The highest version is in force; a tenant with none runs the built-in default (version 0). Saving
 and rolling back both write a new version and an audit row in one transaction. The cache is dropped
 for a tenant the moment this process changes its policy, and re-checked against SQL every
-`ttl` seconds so other gateway replicas pick up a change within that.
+`ttl` seconds so other gateway replicas pick up a change within that. While the database cannot be
+reached, a policy read in the last `stale_for` seconds stays in force (requests keep their limits and
+prices); a tenant whose policy is older than that, or was never read, gets the database's error.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -17,9 +20,11 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from gateway import audit
-from gateway.db.database import Database
+from gateway.db.database import UNREACHABLE, Database
 from gateway.db.models import PolicyVersion
 from policies.policy import Policy
+
+log = logging.getLogger(__name__)
 
 DEFAULT = Policy()
 
@@ -38,28 +43,62 @@ class Versioned:
 
 
 class PolicyStore:
-    def __init__(self, db: Database, ttl: float = 1.0) -> None:
+    RETRY_AFTER = 1.0  # seconds an unreachable database is not asked again; cached policies serve meanwhile
+
+    def __init__(self, db: Database, ttl: float = 1.0, stale_for: float = 300.0) -> None:
         self.db = db
         self.ttl = ttl
-        self._cache: dict[int, tuple[float, Versioned]] = {}
+        self.stale_for = stale_for
+        self._cache: dict[int, tuple[float, Versioned]] = {}  # tenant → (when read, policy)
+        self._unreachable_until = 0.0
         self._lock = threading.Lock()
+        self._refreshing: set[int] = set()  # tenants whose expired policy one caller is re-reading
 
     def cached(self, tenant_id: int) -> Versioned | None:
-        """The cached policy if it is fresh: no SQL, safe to call on the event loop."""
+        """The cached policy if it is fresh, or not too stale while the database is unreachable: no SQL,
+        safe to call on the event loop."""
         hit = self._cache.get(tenant_id)
-        return hit[1] if hit is not None and time.monotonic() - hit[0] < self.ttl else None
+        if hit is None:
+            return None
+        age = time.monotonic() - hit[0]
+        down = time.monotonic() < self._unreachable_until
+        if age < self.ttl or (down and age < self.stale_for):
+            return hit[1]
+        # Just expired: the first caller re-reads it (None sends it to `current`), the others keep the
+        # old one for at most another ttl meanwhile, so a burst does not put every request on SQL at once.
+        if age < 2 * self.ttl:
+            with self._lock:
+                if tenant_id in self._refreshing:
+                    return hit[1]
+                self._refreshing.add(tenant_id)
+        return None
 
     def current(self, tenant_id: int) -> Versioned:
+        try:
+            return self._current(tenant_id)
+        finally:
+            self._refreshing.discard(tenant_id)
+
+    def _current(self, tenant_id: int) -> Versioned:
         now = time.monotonic()
-        if (hit := self.cached(tenant_id)) is not None:
-            return hit
-        with self.db.session() as s:
-            row = s.scalar(
-                select(PolicyVersion)
-                .where(PolicyVersion.tenant_id == tenant_id)
-                .order_by(PolicyVersion.version.desc())
-                .limit(1)
-            )
+        hit = self._cache.get(tenant_id)
+        if hit is not None and now - hit[0] < self.ttl:
+            return hit[1]
+        try:
+            with self.db.session() as s:
+                row = s.scalar(
+                    select(PolicyVersion)
+                    .where(PolicyVersion.tenant_id == tenant_id)
+                    .order_by(PolicyVersion.version.desc())
+                    .limit(1)
+                )
+        except UNREACHABLE:
+            self._unreachable_until = time.monotonic() + self.RETRY_AFTER
+            seen = self._cache.get(tenant_id)
+            if seen is None or now - seen[0] >= self.stale_for:
+                raise
+            log.warning("database unreachable: tenant %d keeps its policy read %.0f s ago", tenant_id, now - seen[0])
+            return seen[1]
         found = Versioned(0, DEFAULT) if row is None else _versioned(row)
         with self._lock:
             self._cache[tenant_id] = (now, found)

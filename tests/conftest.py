@@ -22,6 +22,9 @@ for _name in list(os.environ):
     if _name.startswith("SWITCHBOARD_") and _name != "SWITCHBOARD_HOME" and not _name.startswith("SWITCHBOARD_TEST_"):
         del os.environ[_name]
 os.environ["SWITCHBOARD_CONFIG"] = "/nonexistent/switchboard.toml"
+# One key secret for every gateway, CLI and test in this process and the servers it starts: keys made
+# here must authenticate there, whatever home directory each one uses.
+os.environ["SWITCHBOARD_KEY_SECRET"] = "switchboard-tests-key-secret"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 MODELS_HOME = Path(os.environ.get("SWITCHBOARD_HOME", "~/.cache/switchboard")).expanduser()

@@ -76,55 +76,93 @@ def _pg_binary(name: str) -> str:
     return found
 
 
-def _throwaway_postgres() -> str:
-    port = free_port()
-    data = Path(tempfile.mkdtemp(prefix="switchboard-pg-"))
-    as_user: list[str] = []
-    if os.geteuid() == 0:  # PostgreSQL refuses to run as root; use its own system account
-        shutil.chown(data, "postgres", "postgres")
-        as_user = ["runuser", "-u", "postgres", "--"]
-    run = lambda *cmd: subprocess.run([*as_user, *cmd], check=True, capture_output=True)  # noqa: E731
-    run(_pg_binary("initdb"), "-D", str(data), "-U", "postgres", "--auth=trust", "-E", "UTF8")
-    run(
-        _pg_binary("pg_ctl"),
-        "-D",
-        str(data),
-        "-l",
-        str(data / "log"),
-        "-w",
-        "-o",
-        f"-p {port} -h 127.0.0.1 -k {data}",
-        "start",
-    )
+class PostgresCluster:
+    """A PostgreSQL cluster of our own (initdb in a temporary directory, a free port) that a test can stop
+    and start again: a database outage."""
 
-    def stop() -> None:
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.data = Path(tempfile.mkdtemp(prefix="switchboard-pg-"))
+        self._as_user: list[str] = []
+        if os.geteuid() == 0:  # PostgreSQL refuses to run as root; use its own system account
+            shutil.chown(self.data, "postgres", "postgres")
+            self._as_user = ["runuser", "-u", "postgres", "--"]
+        self._run(_pg_binary("initdb"), "-D", str(self.data), "-U", "postgres", "--auth=trust", "-E", "UTF8")
+
+    def url(self, database: str = "test") -> str:
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{database}"
+
+    def start(self) -> None:
+        self._pg_ctl("-l", str(self.data / "log"), "-w", "-o", f"-p {self.port} -h 127.0.0.1 -k {self.data}", "start")
+
+    def stop(self, mode: str = "fast") -> None:
+        """`fast` ends every session and stops at once (what an operator's restart does); `immediate` crashes."""
+        self._pg_ctl("-m", mode, "-w", "stop")
+
+    def create_test_database(self) -> None:
+        self._run(_pg_binary("createdb"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "test")
+
+    def remove(self) -> None:
         subprocess.run(
-            [*as_user, _pg_binary("pg_ctl"), "-D", str(data), "-m", "immediate", "stop"], capture_output=True
+            [*self._as_user, _pg_binary("pg_ctl"), "-D", str(self.data), "-m", "immediate", "stop"], capture_output=True
         )
-        shutil.rmtree(data, ignore_errors=True)
+        shutil.rmtree(self.data, ignore_errors=True)
 
-    _cleanups.append(stop)
-    run(_pg_binary("createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "postgres", "test")
-    return f"postgresql+psycopg://postgres@127.0.0.1:{port}/test"
+    def _pg_ctl(self, *args: str) -> None:
+        self._run(_pg_binary("pg_ctl"), "-D", str(self.data), *args)
+
+    def _run(self, *cmd: str) -> None:
+        subprocess.run([*self._as_user, *cmd], check=True, capture_output=True)
+
+
+class RedisServer:
+    """A redis-server of our own on a free port, without persistence, that a test can stop and start
+    again on the same port: an outage after which Redis comes back empty."""
+
+    def __init__(self) -> None:
+        binary = shutil.which("redis-server")
+        if not binary:
+            raise RuntimeError("no Redis reachable on 127.0.0.1:6379 and no `redis-server` binary to start one")
+        self.binary = binary
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while not reachable(self.port):
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise RuntimeError("redis-server did not start")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+        self.proc = None
+
+
+def _throwaway_postgres() -> str:
+    cluster = PostgresCluster()
+    cluster.start()
+    _cleanups.append(cluster.remove)
+    cluster.create_test_database()
+    return cluster.url()
 
 
 def _throwaway_redis() -> str:
-    binary = shutil.which("redis-server")
-    if not binary:
-        raise RuntimeError("no Redis reachable on 127.0.0.1:6379 and no `redis-server` binary to start one")
-    port = free_port()
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    _cleanups.append(lambda: (proc.terminate(), proc.wait(10)))
-    deadline = time.monotonic() + 10
-    while not reachable(port):
-        if time.monotonic() > deadline or proc.poll() is not None:
-            raise RuntimeError("redis-server did not start")
-        time.sleep(0.05)
-    return f"redis://127.0.0.1:{port}/0"
+    server = RedisServer()
+    server.start()
+    _cleanups.append(server.stop)
+    return server.url
 
 
 def create_database(server_url: str) -> tuple[str, Callable[[], None]]:

@@ -7,7 +7,6 @@ import asyncio
 import os
 import shutil
 import signal
-import subprocess
 import time
 import unicodedata
 from collections.abc import Awaitable, Callable, Iterator
@@ -372,32 +371,13 @@ def test_redis_layout(redis_server: str, redis_namespace: str) -> None:
 # --- faults ---------------------------------------------------------------------------------------------------
 
 
-class ThrowawayRedis:
+class ThrowawayRedis(services.RedisServer):
     """A redis-server of our own on a fixed port, to kill, freeze and restart."""
 
     def __init__(self) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
+        if shutil.which("redis-server") is None:
             pytest.skip("no redis-server binary")
-        self.binary = binary
-        self.port = services.free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        while not services.reachable(self.port):
-            if time.monotonic() > deadline or self.proc.poll() is not None:
-                raise RuntimeError("redis-server did not start")
-            time.sleep(0.02)
+        super().__init__()
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

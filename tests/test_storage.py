@@ -16,7 +16,7 @@ from gateway.tenants import TenantError, authenticate, create_key, create_tenant
 
 
 def test_migration_creates_exactly_the_models_schema(database: Database) -> None:
-    assert database.current_revision() == "0002"
+    assert database.current_revision() == "0003"
     with database.engine.connect() as conn:
         diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
     assert diff == []
@@ -104,3 +104,30 @@ def test_recent_keys_skip_sql_for_a_second_and_revocation_drops_them(database: D
         s.execute(sa.update(ApiKey).where(ApiKey.prefix == other.prefix).values(revoked_at=sa.func.now()))
     time.sleep(tenants.AUTH_TTL + 0.05)
     assert tenants.recently_authenticated(database, other.key) is None and authenticate(database, other.key) is None
+
+
+def test_keys_are_stored_under_a_keyed_hash_and_old_plain_hashes_are_upgraded(
+    database: Database, tmp_path: Path
+) -> None:
+    import hashlib
+
+    from gateway import tenants
+
+    issued = create_tenant(database, "acme")
+    plain = hashlib.sha256(issued.key.encode()).hexdigest()
+    with database.session() as s:
+        row = s.scalars(sa.select(ApiKey)).one()
+        assert row.key_hash == hash_key(issued.key) != plain  # a copy of the table alone cannot test keys
+        row.key_hash = plain  # as an earlier version stored it
+    assert authenticate(database, issued.key) is not None
+    with database.session() as s:
+        assert s.scalars(sa.select(ApiKey)).one().key_hash == hash_key(issued.key)  # rehashed on first use
+    try:  # under another server secret the stored hash matches nothing
+        tenants.use_key_secret(None, tmp_path)
+        assert (tmp_path / "key-secret").stat().st_mode & 0o777 == 0o600
+        tenants._recent.clear()
+        assert authenticate(database, issued.key) is None
+    finally:
+        tenants._configured_secret = None
+        tenants._recent.clear()
+    assert authenticate(database, issued.key) is not None

@@ -11,14 +11,15 @@ from typing import Literal
 
 import anyio
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from gateway import audit
+from gateway.api.params import KeyPrefix, TenantFilter, TenantName
 from gateway.auth import AdminPrincipal, visible_tenant
-from gateway.errors import APIError
+from gateway.errors import APIError, documented
 from gateway.tenants import TenantError, create_key, create_tenant, list_keys, list_tenants, revoke_key
 
-router = APIRouter(prefix="/v1", tags=["admin"])
+router = APIRouter(prefix="/v1", tags=["admin"], responses=documented(401, 403, 413, 422, 503))
 
 
 class TenantOut(BaseModel):
@@ -29,11 +30,15 @@ class TenantOut(BaseModel):
 
 
 class NewTenant(BaseModel):
+    model_config = ConfigDict(strict=True)  # `"operator": 0` is a mistake to point out, not a False
+
     name: str = Field(min_length=1, max_length=100)
     operator: bool = False
 
 
 class NewKey(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     role: Literal["app", "admin", "finance"] = "app"
 
 
@@ -76,7 +81,7 @@ async def tenants(request: Request, principal: AdminPrincipal) -> list[TenantOut
     return [TenantOut(id=t.id, name=t.name, operator=t.is_operator, created_at=t.created_at) for t in rows]
 
 
-@router.post("/admin/tenants", response_model=IssuedKeyOut, status_code=201)
+@router.post("/admin/tenants", response_model=IssuedKeyOut, status_code=201, responses=documented(400, 409))
 async def new_tenant(body: NewTenant, request: Request, principal: AdminPrincipal) -> IssuedKeyOut:
     if not principal.operator:
         raise APIError(403, "Only the operator's admin keys create tenants.", code="insufficient_role")
@@ -89,24 +94,26 @@ async def new_tenant(body: NewTenant, request: Request, principal: AdminPrincipa
     return IssuedKeyOut(**issued.__dict__)
 
 
-@router.get("/admin/tenants/{tenant}/keys", response_model=list[KeyOut])
-async def keys(tenant: str, request: Request, principal: AdminPrincipal) -> list[KeyOut]:
+@router.get("/admin/tenants/{tenant}/keys", response_model=list[KeyOut], responses=documented(404))
+async def keys(tenant: TenantName, request: Request, principal: AdminPrincipal) -> list[KeyOut]:
     db = request.app.state.db
     t = await anyio.to_thread.run_sync(visible_tenant, db, principal, tenant)
     rows = await anyio.to_thread.run_sync(list_keys, db, t.id)
     return [KeyOut(prefix=k.prefix, role=k.role, created_at=k.created_at, revoked_at=k.revoked_at) for k in rows]
 
 
-@router.post("/admin/tenants/{tenant}/keys", response_model=IssuedKeyOut, status_code=201)
-async def new_key(tenant: str, body: NewKey, request: Request, principal: AdminPrincipal) -> IssuedKeyOut:
+@router.post(
+    "/admin/tenants/{tenant}/keys", response_model=IssuedKeyOut, status_code=201, responses=documented(400, 404)
+)
+async def new_key(tenant: TenantName, body: NewKey, request: Request, principal: AdminPrincipal) -> IssuedKeyOut:
     db = request.app.state.db
     t = await anyio.to_thread.run_sync(visible_tenant, db, principal, tenant)
     issued = await anyio.to_thread.run_sync(lambda: create_key(db, t.name, body.role, actor=principal.actor))
     return IssuedKeyOut(**issued.__dict__)
 
 
-@router.delete("/admin/keys/{prefix}", status_code=204)
-async def revoke(prefix: str, request: Request, principal: AdminPrincipal) -> None:
+@router.delete("/admin/keys/{prefix}", status_code=204, responses=documented(404))
+async def revoke(prefix: KeyPrefix, request: Request, principal: AdminPrincipal) -> None:
     scope = None if principal.operator else principal.tenant_id
     try:
         await anyio.to_thread.run_sync(
@@ -116,9 +123,9 @@ async def revoke(prefix: str, request: Request, principal: AdminPrincipal) -> No
         raise APIError(404, str(exc), param="prefix", code="key_not_found") from None
 
 
-@router.get("/admin/audit", response_model=list[AuditOut])
+@router.get("/admin/audit", response_model=list[AuditOut], responses=documented(404))
 async def audit_log(
-    request: Request, principal: AdminPrincipal, tenant: str | None = None, limit: int = 100
+    request: Request, principal: AdminPrincipal, tenant: TenantFilter = None, limit: int = 100
 ) -> list[AuditOut]:
     db = request.app.state.db
     if tenant is not None:

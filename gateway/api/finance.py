@@ -13,11 +13,12 @@ import anyio
 from fastapi import APIRouter, Query, Request, Response
 
 from gateway import reports
+from gateway.api.params import IsoDate, TenantFilter
 from gateway.auth import CurrentPrincipal, FinancePrincipal, visible_tenant
-from gateway.errors import APIError
+from gateway.errors import APIError, documented
 from gateway.tenants import Principal
 
-router = APIRouter(prefix="/v1", tags=["finance"])
+router = APIRouter(prefix="/v1", tags=["finance"], responses=documented(401, 413, 422, 503))
 
 GROUPS = ("day", "tier", "model")
 
@@ -44,13 +45,13 @@ def _json(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: (str(v) if not isinstance(v, int | float | str) else v) for k, v in r.items()} for r in rows]
 
 
-@router.get("/finance/costs")
+@router.get("/finance/costs", responses=documented(403, 404))
 async def costs(
     request: Request,
     principal: FinancePrincipal,
-    tenant: str | None = None,
-    start: date | None = None,
-    end: date | None = None,
+    tenant: TenantFilter = None,
+    start: IsoDate | None = None,
+    end: IsoDate | None = None,
     group_by: str = Query("day", description="comma-separated: day, tier, model"),
 ) -> dict[str, Any]:
     """Cost by tenant and day / tier / model, with tokens by kind and the always-large counterfactual."""
@@ -60,13 +61,17 @@ async def costs(
     return {"object": "list", "data": _json(rows)}
 
 
-@router.get("/finance/costs.csv")
+@router.get(
+    "/finance/costs.csv",
+    response_class=Response,
+    responses={200: {"content": {"text/csv": {"schema": {"type": "string"}}}}, **documented(403, 404)},
+)
 async def costs_csv(
     request: Request,
     principal: FinancePrincipal,
-    tenant: str | None = None,
-    start: date | None = None,
-    end: date | None = None,
+    tenant: TenantFilter = None,
+    start: IsoDate | None = None,
+    end: IsoDate | None = None,
     group_by: str = "day",
 ) -> Response:
     _range(start, end)
@@ -79,13 +84,13 @@ async def costs_csv(
     )
 
 
-@router.get("/finance/savings")
+@router.get("/finance/savings", responses=documented(403, 404))
 async def savings(
     request: Request,
     principal: FinancePrincipal,
-    tenant: str | None = None,
-    start: date | None = None,
-    end: date | None = None,
+    tenant: TenantFilter = None,
+    start: IsoDate | None = None,
+    end: IsoDate | None = None,
 ) -> dict[str, Any]:
     """Per tenant: cost, the always-large counterfactual, and the saving split by lever."""
     _range(start, end)
@@ -96,7 +101,7 @@ async def savings(
 
 @router.get("/usage")
 async def own_usage(
-    request: Request, principal: CurrentPrincipal, start: date | None = None, end: date | None = None
+    request: Request, principal: CurrentPrincipal, start: IsoDate | None = None, end: IsoDate | None = None
 ) -> dict[str, Any]:
     """The calling key's tenant's cost and tokens by day and tier; never another tenant's."""
     _range(start, end)

@@ -2,14 +2,33 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Literal
+
 import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+
+from engines.protocol import TierEngine
+from gateway.settings import TierSettings
 
 router = APIRouter(tags=["health"])
 
 
-@router.get("/healthz")
+class EngineHealth(BaseModel):
+    running: int
+    alive: bool
+    breaker: Literal["closed", "open", "half_open"] | None = Field(None, description="remote tiers' circuit")
+
+
+class Health(BaseModel):
+    status: Literal["ok", "degraded"]
+    database: str = Field(description='"ok", or why it is unreachable')
+    engines: dict[str, EngineHealth]
+
+
+@router.get("/healthz", response_model=Health, responses={503: {"model": Health, "description": "Something is down"}})
 async def healthz(request: Request) -> JSONResponse:
     state = request.app.state
     try:
@@ -17,7 +36,29 @@ async def healthz(request: Request) -> JSONResponse:
         database = "ok"
     except Exception as exc:  # report, don't raise: this endpoint exists to say what is wrong
         database = f"unreachable: {type(exc).__name__}"
-    engines = {name: {"running": e.engine.num_running, "alive": e.alive} for name, e in state.pipeline.engines.items()}
-    healthy = database == "ok" and all(e["alive"] for e in engines.values())
+    running = state.pipeline.engines
+    engines = {name: _engine_health(e) for name, e in running.items()}
+    # A tier that is down while a live fallback serves its requests does not make the gateway unhealthy.
+    healthy = database == "ok" and all(_serves(name, running, state.settings.tiers) for name in running)
     body = {"status": "ok" if healthy else "degraded", "database": database, "engines": engines}
     return JSONResponse(body, status_code=200 if healthy else 503)
+
+
+def _engine_health(engine: TierEngine) -> dict[str, object]:
+    stats = engine.stats().as_dict()
+    held = stats.get("waiting", 0) + stats["running"]  # queued or generating, as before remote tiers
+    health: dict[str, object] = {"running": held, "alive": engine.alive}
+    if "breaker" in stats:
+        health["breaker"] = stats["breaker"]
+    return health
+
+
+def _serves(name: str | None, engines: Mapping[str, TierEngine], tiers: Mapping[str, TierSettings]) -> bool:
+    """Whether the tier, or a tier down its fallback chain, is alive."""
+    seen: set[str] = set()
+    while name is not None and name not in seen:
+        seen.add(name)
+        if (engine := engines.get(name)) is not None and engine.alive:
+            return True
+        name = tiers[name].fallback if name in tiers else None
+    return False

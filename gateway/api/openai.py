@@ -9,14 +9,17 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
+from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel
+from starlette.background import BackgroundTask
 
 from gateway.auth import CurrentPrincipal
-from gateway.errors import APIError
+from gateway.errors import APIError, documented
 from gateway.logging_setup import request_id_var
 from gateway.pipeline import ChoiceDelta, Generation, Pipeline, model_not_found
+from gateway.routing import AUTO
 from gateway.schemas import (
     ChatChoice,
     ChatChunkChoice,
@@ -34,15 +37,31 @@ from gateway.schemas import (
 )
 from gateway.streaming import ClientDisconnected, EventStreamResponse, sse, until_disconnect
 
-router = APIRouter(prefix="/v1", tags=["openai"])
+router = APIRouter(prefix="/v1", tags=["openai"], responses=documented(401, 413, 422, 503))
+
+
+def _generation_responses(chunk: str) -> dict[int | str, dict[str, Any]]:
+    """A generation answers JSON, or server-sent events with `stream: true`; and these refuse one."""
+    event = {
+        "type": "object",
+        "required": ["data"],
+        "properties": {"data": {"type": "string", "description": f"a `{chunk}` as JSON; the last event is `[DONE]`"}},
+    }
+    return {200: {"content": {"text/event-stream": {"schema": event}}}, **documented(400, 403, 404, 429)}
+
+
 CACHE_CONTROL = "x-switchboard-cache-control"  # no-cache | no-store, like the body's `cache` field
+TIER_HEADER = "x-switchboard-tier"  # the tier that served: the requested one (or the router's), or its fallback
+ROUTE_P_HEADER = "x-switchboard-route-p-small"  # routed requests: the router's P(small is good enough)
 
 
 def _pipeline(request: Request) -> Pipeline:
     return request.app.state.pipeline
 
 
-@router.post("/chat/completions", response_model=ChatCompletion)
+@router.post(
+    "/chat/completions", response_model=ChatCompletion, responses=_generation_responses("chat.completion.chunk")
+)
 async def chat_completions(body: ChatCompletionRequest, request: Request, principal: CurrentPrincipal) -> Response:
     gen = await _pipeline(request).start_chat(principal, body, request.headers.get(CACHE_CONTROL))
 
@@ -56,7 +75,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, princi
     return await _respond(request, gen, body, _chat_events, result)
 
 
-@router.post("/completions", response_model=Completion)
+@router.post("/completions", response_model=Completion, responses=_generation_responses("text_completion"))
 async def completions(body: CompletionRequest, request: Request, principal: CurrentPrincipal) -> Response:
     gen = await _pipeline(request).start_completion(principal, body, request.headers.get(CACHE_CONTROL))
 
@@ -82,9 +101,25 @@ async def _respond(
     request_id_var.set(gen.request_id)  # from here on, log lines carry the id of the response and the ledger row
     if gen.cache.answer is not None:  # which of this tenant's earlier requests answered it
         headers["x-switchboard-cache-source"] = gen.cache.answer.request_id
+    if gen.route is not None:
+        headers[ROUTE_P_HEADER] = f"{gen.route.p_small_ok:.3f}"
+
+    async def closed() -> None:  # the stream ended, however: bill or release, then what follows a response
+        await gen.abandon()
+        await gen.after_response()
+
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventStreamResponse(events(gen, include_usage), headers=headers, on_close=gen.abandon)
+        try:
+            if gen.cache.answer is None:  # before the headers: the tier that serves (a fallback?) goes in them
+                await until_disconnect(request, gen.begin())
+        except BaseException as exc:
+            await gen.abandon()  # bills what ran, or gives the reservation back
+            if isinstance(exc, ClientDisconnected):
+                return Response(status_code=499)
+            raise
+        headers[TIER_HEADER] = gen.tier
+        return EventStreamResponse(events(gen, include_usage), headers=headers, on_close=closed)
     try:
         # A cached answer is ready at once: no generation to abort, so no disconnect watcher to start.
         work = _collect(gen)
@@ -93,22 +128,32 @@ async def _respond(
         return Response(status_code=499)  # nobody is listening; the status is for the access log
     finally:
         await gen.abandon()  # a no-op once it ran
-    return Response(result(texts, reasons).model_dump_json(), media_type="application/json", headers=headers)
+    headers[TIER_HEADER] = gen.tier
+    body_json = result(texts, reasons).model_dump_json()
+    # after_response runs once the body is sent (Starlette's background task), never on the request's path
+    return Response(
+        body_json, media_type="application/json", headers=headers, background=BackgroundTask(gen.after_response)
+    )
 
 
 @router.get("/models", response_model=ModelList)
 async def list_models(request: Request, principal: CurrentPrincipal) -> ModelList:
-    """The tiers this tenant's policy allows."""
+    """The tiers this tenant's policy allows, and `auto` (the router picks) when a router is loaded."""
     created = request.app.state.started
-    policy = (await _pipeline(request).policy(principal)).policy
-    names = [name for name in _pipeline(request).engines if policy.allows(name)]
+    pipeline = _pipeline(request)
+    policy = (await pipeline.policy(principal)).policy
+    names = [name for name in pipeline.engines if policy.allows(name)]
+    if pipeline.routing.offered(policy):
+        names.append(AUTO)
     return ModelList(data=[ModelCard(id=name, created=created) for name in names])
 
 
-@router.get("/models/{model}", response_model=ModelCard)
+@router.get("/models/{model}", response_model=ModelCard, responses=documented(404))
 async def get_model(model: str, request: Request, principal: CurrentPrincipal) -> ModelCard:
-    policy = (await _pipeline(request).policy(principal)).policy
-    if model not in _pipeline(request).engines or not policy.allows(model):
+    pipeline = _pipeline(request)
+    policy = (await pipeline.policy(principal)).policy
+    served = model in pipeline.engines and policy.allows(model)
+    if not served and not (model == AUTO and pipeline.routing.offered(policy)):
         raise model_not_found(model)
     return ModelCard(id=model, created=request.app.state.started)
 

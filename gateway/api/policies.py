@@ -7,22 +7,25 @@ is listed in `error.details`.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any
 
 import anyio
-from fastapi import APIRouter, Request
-from pydantic import BaseModel, Field, ValidationError
+from fastapi import APIRouter, Body, Request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
+from gateway.api.params import TenantName
 from gateway.auth import AdminPrincipal, PolicyReader, visible_tenant
 from gateway.db.models import Usage
-from gateway.errors import APIError
+from gateway.errors import APIError, documented
 from policies.dry_run import replay
 from policies.policy import Policy
 from policies.store import PolicyError
 
-router = APIRouter(prefix="/v1/admin/tenants/{tenant}/policy", tags=["policies"])
+router = APIRouter(
+    prefix="/v1/admin/tenants/{tenant}/policy", tags=["policies"], responses=documented(401, 403, 404, 413, 422, 503)
+)
 
 
 class PolicyOut(BaseModel):
@@ -34,12 +37,22 @@ class PolicyOut(BaseModel):
     created_at: datetime | None = None
 
 
+# Validated by `validate_policy`, which names every bad field (FastAPI's own check would name the first).
+PolicyBody = Annotated[
+    dict[str, Any], Body(description="the policy (the `Policy` schema), plus an optional `note` for its version")
+]
+
+
 class Rollback(BaseModel):
-    version: int = Field(ge=0)
+    model_config = ConfigDict(strict=True)
+
+    version: int = Field(ge=0, le=2**31 - 1)  # a 32-bit column
 
 
 class DryRunIn(BaseModel):
-    policy: dict[str, Any]
+    model_config = ConfigDict(strict=True)
+
+    policy: dict[str, Any] = Field(description="a proposed policy (the `Policy` schema); invalid ones are a 422")
     limit: int = Field(500, ge=1, le=10_000, description="the most recent requests to replay")
 
 
@@ -55,6 +68,17 @@ def validate_policy(body: dict[str, Any], served: list[str]) -> Policy:
     return policy
 
 
+def _note(note: object) -> str:
+    """The version's note, up to 200 characters of text that PostgreSQL stores (no NUL) and UTF-8 encodes."""
+    if isinstance(note, str) and "\x00" not in note:
+        try:
+            note.encode()
+            return note[:200]
+        except UnicodeEncodeError:  # a lone surrogate, escaped in the JSON
+            pass
+    raise APIError(422, "note: must be text without NUL characters", param="note", code="invalid_value")
+
+
 def _invalid(problems: list[tuple[tuple, str]]) -> APIError:
     details = [{"param": ".".join(map(str, loc)) or None, "message": msg} for loc, msg in problems]
     first = details[0]
@@ -67,16 +91,16 @@ def _invalid(problems: list[tuple[tuple, str]]) -> APIError:
 
 
 @router.get("", response_model=PolicyOut)
-async def current(tenant: str, request: Request, principal: PolicyReader) -> PolicyOut:
+async def current(tenant: TenantName, request: Request, principal: PolicyReader) -> PolicyOut:
     t = await anyio.to_thread.run_sync(visible_tenant, request.app.state.db, principal, tenant)
     v = await anyio.to_thread.run_sync(request.app.state.policies.current, t.id)
     return PolicyOut(tenant=t.name, **v.__dict__)
 
 
-@router.put("", response_model=PolicyOut)
-async def update(tenant: str, body: dict[str, Any], request: Request, principal: AdminPrincipal) -> PolicyOut:
+@router.put("", response_model=PolicyOut, responses=documented(400, 409))
+async def update(tenant: TenantName, body: PolicyBody, request: Request, principal: AdminPrincipal) -> PolicyOut:
     t = await anyio.to_thread.run_sync(visible_tenant, request.app.state.db, principal, tenant)
-    note = str(body.pop("note", ""))[:200] if isinstance(body, dict) else ""
+    note = _note(body.pop("note", "")) if isinstance(body, dict) else ""
     policy = validate_policy(body, list(request.app.state.pipeline.engines))
     store = request.app.state.policies
     try:
@@ -87,14 +111,14 @@ async def update(tenant: str, body: dict[str, Any], request: Request, principal:
 
 
 @router.get("/versions", response_model=list[PolicyOut])
-async def versions(tenant: str, request: Request, principal: PolicyReader) -> list[PolicyOut]:
+async def versions(tenant: TenantName, request: Request, principal: PolicyReader) -> list[PolicyOut]:
     t = await anyio.to_thread.run_sync(visible_tenant, request.app.state.db, principal, tenant)
     rows = await anyio.to_thread.run_sync(request.app.state.policies.history, t.id)
     return [PolicyOut(tenant=t.name, **v.__dict__) for v in rows]
 
 
-@router.post("/rollback", response_model=PolicyOut)
-async def rollback(tenant: str, body: Rollback, request: Request, principal: AdminPrincipal) -> PolicyOut:
+@router.post("/rollback", response_model=PolicyOut, responses=documented(400))
+async def rollback(tenant: TenantName, body: Rollback, request: Request, principal: AdminPrincipal) -> PolicyOut:
     t = await anyio.to_thread.run_sync(visible_tenant, request.app.state.db, principal, tenant)
     store = request.app.state.policies
     try:
@@ -104,8 +128,8 @@ async def rollback(tenant: str, body: Rollback, request: Request, principal: Adm
     return PolicyOut(tenant=t.name, **(await anyio.to_thread.run_sync(store.version, t.id, version)).__dict__)
 
 
-@router.post("/dry-run")
-async def dry_run(tenant: str, body: DryRunIn, request: Request, principal: AdminPrincipal) -> dict[str, Any]:
+@router.post("/dry-run", responses=documented(400))
+async def dry_run(tenant: TenantName, body: DryRunIn, request: Request, principal: AdminPrincipal) -> dict[str, Any]:
     """Replay the tenant's most recent requests under `policy`: what it would refuse, cap and cost."""
     db = request.app.state.db
     t = await anyio.to_thread.run_sync(visible_tenant, db, principal, tenant)

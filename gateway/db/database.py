@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from alembic.config import Config
-from sqlalchemy import create_engine, event, text
+from sqlalchemy import create_engine, event, exc, text
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.engine.interfaces import DBAPIConnection
 from sqlalchemy.orm import Session, sessionmaker
@@ -18,6 +18,16 @@ from sqlalchemy.orm import Session, sessionmaker
 import migrations
 
 MIGRATIONS_DIR = Path(migrations.__file__).resolve().parent
+
+# What a database that is down, restarting or out of reach raises (as opposed to a query that is wrong):
+# callers answer 503 or serve what they saw recently instead of failing the request.
+UNREACHABLE: tuple[type[Exception], ...] = (
+    exc.OperationalError,
+    exc.InterfaceError,
+    exc.DisconnectionError,
+    exc.TimeoutError,
+)
+CONNECT_TIMEOUT_S = 5  # a host that drops packets must fail a request in seconds, not the OS's minutes
 
 
 def normalize_url(url: str) -> str:
@@ -35,9 +45,12 @@ class Database:
         self.is_sqlite = parsed.get_backend_name() == "sqlite"
         if self.is_sqlite and parsed.database and parsed.database != ":memory:":
             Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        # pre-ping: pooled connections a database restart broke are replaced on checkout, not handed out
         kwargs: dict = {"pool_pre_ping": True}
         if self.is_sqlite:
             kwargs["connect_args"] = {"check_same_thread": False, "timeout": 30}
+        elif parsed.get_backend_name() == "postgresql":
+            kwargs["connect_args"] = {"connect_timeout": CONNECT_TIMEOUT_S}
         self.engine: Engine = create_engine(self.url, **kwargs)
         if self.is_sqlite:
             event.listen(self.engine, "connect", _sqlite_pragmas)
@@ -47,6 +60,19 @@ class Database:
     def session(self) -> Iterator[Session]:
         with self._sessions() as session, session.begin():
             yield session
+
+    @contextmanager
+    def snapshot(self) -> Iterator[Session]:
+        """A read-only session whose queries all see the database as of the first one (nothing commits)."""
+        with self._sessions() as session:
+            if self.is_sqlite:  # pysqlite opens transactions only before writes: ask for one, so reads share it
+                session.connection().exec_driver_sql("BEGIN")
+            else:
+                session.connection(execution_options={"isolation_level": "REPEATABLE READ"})
+            try:
+                yield session
+            finally:
+                session.rollback()
 
     def ping(self) -> None:
         with self.engine.connect() as conn:

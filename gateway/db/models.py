@@ -11,6 +11,7 @@ from sqlalchemy import (
     Boolean,
     Date,
     DateTime,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -49,7 +50,7 @@ class ApiKey(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
     prefix: Mapped[str] = mapped_column(String(32), unique=True)  # shown in lists; finds the row
-    key_hash: Mapped[str] = mapped_column(String(64))  # sha256 hex of the whole key; the key is never stored
+    key_hash: Mapped[str] = mapped_column(String(64))  # HMAC-SHA256 hex of the key (server secret)
     role: Mapped[str] = mapped_column(String(16), default="app")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
@@ -176,4 +177,20 @@ class AuditEntry(Base):
     target: Mapped[str] = mapped_column(String(200))
     before: Mapped[dict | None] = mapped_column(JSON, nullable=True)
     after: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class RoutedPrompt(Base):
+    """Conversations the router decided on, kept only for tenants whose policy says `router.store_prompts`:
+    what `switchboard router calibrate --tenant` computes that tenant's threshold on."""
+
+    __tablename__ = "routed_prompts"
+    __table_args__ = (Index("ix_routed_prompts_tenant_id", "tenant_id", "id"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    request_id: Mapped[str] = mapped_column(String(64))
+    messages: Mapped[list] = mapped_column(JSON)
+    p_small_ok: Mapped[float] = mapped_column(Float)
+    tier: Mapped[str] = mapped_column(String(32))  # where the router sent it
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
