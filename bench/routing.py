@@ -8,6 +8,9 @@ cache): one at a time (the latency a lone request sees: p50, p90, and the routin
 and `--concurrency` at once (queued on the one router thread: the latency a burst sees). `shipped` prompts are
 the ones `switchboard router label` labels (GSM8K, HumanEval, MT-bench, chats: median 80 word pieces
 after the cap); `synthetic` are shorter. The last line is one JSON object.
+
+`--quality LABELS` instead answers whether the cap keeps quality: it trains a router on the label
+file's training split with the embedded text capped and uncapped, and prints both held-out APGRs.
 """
 
 from __future__ import annotations
@@ -34,11 +37,13 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--home", type=Path, default=Path("~/.cache/switchboard").expanduser())
     ap.add_argument("--uncapped", action="store_true", help="embed as before the cap (2,000 + 600 characters)")
+    ap.add_argument("--quality", type=Path, metavar="LABELS", help="held-out APGR capped and uncapped, then exit")
     args = ap.parse_args()
-    if args.uncapped:  # the last turn whole up to 2,000 characters, 600 of context; MiniLM stops at 256 pieces
-        from router_model import features
-
-        features.LAST_TURN_HEAD_CHARS, features.LAST_TURN_TAIL_CHARS, features.CONTEXT_CHARS = 2000, 1, 600
+    if args.quality:
+        compare_quality(args.quality, args.home)
+        return
+    if args.uncapped:
+        uncap()
 
     from gateway.semantic_cache import Embedder
     from router_model.examples import split_examples
@@ -117,6 +122,31 @@ def main() -> None:
         "omp_threads": THREADS,
     }
     print(json.dumps(out))
+
+
+def uncap() -> None:
+    """Embed as before the cap: the last turn whole up to 2,000 characters, 600 of context (MiniLM stops at 256)."""
+    from router_model import features
+
+    features.LAST_TURN_HEAD_CHARS, features.LAST_TURN_TAIL_CHARS, features.CONTEXT_CHARS = 2000, 1, 600
+
+
+def compare_quality(labels: Path, home: Path) -> None:
+    from gateway.semantic_cache import Embedder
+    from router_model.examples import load_examples, split_examples
+    from router_model.train import train_router
+
+    train, held = split_examples(load_examples(labels, home), 0.2, 0)
+    apgr = {}
+    for name in ("capped", "uncapped"):
+        if name == "uncapped":
+            uncap()
+        say(f"training {name} on {len(train)} prompts")
+        result = train_router(train, held, Embedder(), seed=0)
+        apgr[name] = result.router.metadata["heldout_eval"]["apgr"]
+        print(f"{name:9} held-out APGR {apgr[name]:.3f} ({result.router.metadata['classifier']})")
+    print(json.dumps({"labels": str(labels), "n_heldout": len(held), "apgr_capped": apgr["capped"],
+                      "apgr_uncapped": apgr["uncapped"]}))  # fmt: skip
 
 
 if __name__ == "__main__":

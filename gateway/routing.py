@@ -98,10 +98,6 @@ class RoutingStage:
         log.info("router loaded from %s (%s)", directory, service.router.metadata.get("classifier"))
         return cls(service, engines, prompts, relabeler)
 
-    @property
-    def loaded(self) -> bool:
-        return self.service is not None
-
     def wants(self, model: str, policy: Policy) -> bool:
         """Whether this request is routed; `auto` without a router is a 404 naming the reason."""
         if model == AUTO and self.service is None:
@@ -129,7 +125,7 @@ class RoutingStage:
                 param="model",
             )
         start = time.perf_counter()
-        p = min(await asyncio.gather(*(self.service.p_small_ok(c) for c in conversations)))  # one batch
+        p = min(await asyncio.gather(*(self.service.p_small_ok(c) for c in conversations)))
         threshold, source, expected = self.threshold(policy, principal.tenant_name)
         choice = SMALL if p >= threshold else LARGE
         self.drift.add(choice == LARGE, expected)

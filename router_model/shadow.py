@@ -90,7 +90,11 @@ class _Answer:
 
 
 class _Failed(Exception):
-    """The large tier failed or went away mid-run: no label."""
+    """The large tier failed or went away mid-run: no label; `answer` is what ran (its tokens are billed)."""
+
+    def __init__(self, answer: _Answer) -> None:
+        super().__init__("the large tier failed")
+        self.answer = answer
 
 
 class Relabeler:
@@ -162,7 +166,11 @@ class Relabeler:
         large, judge, status = _Answer(), _Answer(), "ok"
         small_ok, verdict = False, None
         try:
-            large = await self._generate(engine, f"{rid}-large", prompt, max_tokens, job.tenant_id)
+            try:
+                large = await self._generate(engine, f"{rid}-large", prompt, max_tokens, job.tenant_id)
+            except _Failed as failed:
+                large = failed.answer
+                raise
             if large.text.strip() == job.small_text.strip():
                 small_ok, verdict = True, None
             else:
@@ -175,12 +183,18 @@ class Relabeler:
                     judge = await self._generate(engine, f"{rid}-judge", judging, JUDGE_MAX_TOKENS, job.tenant_id)
                 except RequestRejected:
                     judge = _Answer()  # as `router label`: an unread comparison is no "yes"
+                except _Failed as failed:
+                    judge = failed.answer
+                    raise
                 verdict = judge.text
                 small_ok = parse_verdict(judge.text) is True
         except _Failed:
             status = "error"
         except asyncio.CancelledError:
             status = "aborted"
+            raise
+        except Exception:
+            status = "error"
             raise
         finally:
             with anyio.CancelScope(shield=True):  # what ran is written down, however the run ended
@@ -189,7 +203,7 @@ class Relabeler:
                     completion=large.tokens + judge.tokens,
                     cached_prompt=large.cached + judge.cached,
                 )
-                await self._account(job, rid, engine, tokens, large.finish, max_tokens, status, clock, billed)
+                await self._account(job, rid, tokens, large.finish, max_tokens, status, clock, billed)
                 if reservation is not None:
                     cost = charge_shadow(policy, LARGE, tokens).cost
                     await self.budgets.settle(reservation, cost, tokens.prompt + tokens.completion)
@@ -230,28 +244,36 @@ class Relabeler:
         try:
             stream = engine.open([request])
         except EngineUnavailable:
-            raise _Failed from None
+            raise _Failed(_Answer(finish="error")) from None
+        failed = False
         try:
             async for out in stream:
                 if out.finish_reason is FinishReason.ERROR:
-                    raise _Failed
+                    failed = True
+                    break
                 pieces.append(out.text)
-        except EngineUnavailable:
-            raise _Failed from None
+        except (EngineUnavailable, RequestRejected):  # a remote tier that went away, or refused the run
+            failed = True
         finally:
             with anyio.CancelScope(shield=True):
                 await stream.aclose()
         last = stream.last.get(request_id)
-        if last is None or last.finish_reason is FinishReason.ABORT:
-            raise _Failed
-        finish = last.finish_reason.value if last.finish_reason else "length"
-        return _Answer("".join(pieces), len(prompt), last.completion_tokens, last.cached_tokens, finish)
+        finish = last.finish_reason.value if last is not None and last.finish_reason else "error"
+        answer = _Answer(
+            "".join(pieces),
+            len(prompt) if last is not None else 0,
+            last.completion_tokens if last is not None else 0,
+            last.cached_tokens if last is not None else 0,
+            finish,
+        )
+        if failed or last is None or last.finish_reason in (FinishReason.ABORT, FinishReason.ERROR):
+            raise _Failed(answer)
+        return answer
 
     async def _account(
         self,
         job: ShadowJob,
         rid: str,
-        engine: TierEngine,
         tokens: Tokens,
         finish: str,
         max_tokens: int,
