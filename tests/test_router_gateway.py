@@ -191,7 +191,10 @@ def test_auto_sends_a_simple_prompt_small_and_a_hard_one_large(gateway: Gateway)
     assert (small_row.route, small_row.tier) == ("auto", "small")
     assert (large_row.route, large_row.tier) == ("auto", "large")
     # routing's saving against the always-large counterfactual: all of it on small, nothing on large
-    assert small_row.saved_routing == small_row.counterfactual_cost - small_row.cost > 0
+    # (the prompt prefix may already sit in the shared engine's KV cache: that part is the cache's saving)
+    assert small_row.saved_routing > 0
+    levers = ("saved_routing", "saved_cache", "saved_speculation", "saved_policy", "saved_verifier")
+    assert sum(getattr(small_row, k) for k in levers) == small_row.counterfactual_cost - small_row.cost
     assert large_row.saved_routing == 0 and large_row.cost > 0
     assert large_row.counterfactual_cost - large_row.cost == large_row.saved_cache  # the KV prefix cache's, if any
 
