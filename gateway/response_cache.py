@@ -24,6 +24,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +140,9 @@ class ResponseCache:
         if self._redis is None:
             assert self.redis_url is not None
             # A blocking pool makes a burst wait briefly for a connection instead of failing; short
-            # timeouts and no retries keep a dead Redis to a fraction of a second per call.
+            # timeouts keep a dead Redis to a fraction of a second per call. One immediate retry, on a
+            # broken connection only: pooled connections die with a restarted Redis, and each would
+            # otherwise cost a miss and a backoff; a timeout is not retried (a frozen Redis stays cheap).
             pool = aioredis.BlockingConnectionPool.from_url(
                 self.redis_url,
                 max_connections=64,
@@ -147,7 +150,7 @@ class ResponseCache:
                 decode_responses=True,
                 socket_connect_timeout=0.25,
                 socket_timeout=0.5,
-                retry=Retry(NoBackoff(), 0),
+                retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
             )
             self._redis = aioredis.Redis.from_pool(pool)  # the client owns the pool: closing it closes both
             self._put_script = self._redis.register_script(_PUT)
