@@ -42,6 +42,20 @@ class RequestRejected(ValueError):
         self.code = code
 
 
+def check_context(prompt_token_ids: list[int], max_tokens: int, max_model_len: int) -> None:
+    """Raise `RequestRejected` for an empty prompt or one that with `max_tokens` passes the context."""
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise RequestRejected("the prompt is empty")
+    if n + max_tokens > max_model_len:
+        raise RequestRejected(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{n + max_tokens} tokens ({n} in the messages, {max_tokens} in the completion). "
+            "Please reduce the length of the messages or completion.",
+            code="context_length_exceeded",
+        )
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     block_size: int = 16  # tokens per KV block
@@ -203,16 +217,8 @@ class Engine:
 
     def check(self, prompt_token_ids: list[int], max_tokens: int) -> None:
         """Raise `RequestRejected` if this prompt and token budget cannot be served."""
+        check_context(prompt_token_ids, max_tokens, self.max_model_len)
         n = len(prompt_token_ids)
-        if n == 0:
-            raise RequestRejected("the prompt is empty")
-        if n + max_tokens > self.max_model_len:
-            raise RequestRejected(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{n + max_tokens} tokens ({n} in the messages, {max_tokens} in the completion). "
-                "Please reduce the length of the messages or completion.",
-                code="context_length_exceeded",
-            )
         # A sequence must fit in the pool on its own, or preemption could never make room for it.
         capacity = self.block_manager.num_blocks * self.config.block_size
         if n + max_tokens > capacity:

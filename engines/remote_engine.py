@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 
 from engines.circuit_breaker import CircuitBreaker
-from engines.engine import RequestRejected
+from engines.engine import RequestRejected, check_context
 from engines.protocol import EngineUnavailable
 from engines.request import EngineRequest, FinishReason, RequestOutput
 from engines.tokenizer import Tokenizer
@@ -155,16 +155,7 @@ class RemoteEngine:
         return self._client is not None and self.breaker.state != "open"
 
     def check(self, prompt_token_ids: list[int], max_tokens: int) -> None:
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise RequestRejected("the prompt is empty")
-        if n + max_tokens > self._max_model_len:
-            raise RequestRejected(
-                f"This model's maximum context length is {self._max_model_len} tokens. However, you requested "
-                f"{n + max_tokens} tokens ({n} in the messages, {max_tokens} in the completion). "
-                "Please reduce the length of the messages or completion.",
-                code="context_length_exceeded",
-            )
+        check_context(prompt_token_ids, max_tokens, self._max_model_len)
         if any(not 0 <= t < self._vocab_size for t in prompt_token_ids):
             raise RequestRejected(f"prompt token ids must lie in [0, {self._vocab_size})")
 

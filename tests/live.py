@@ -46,14 +46,17 @@ class LiveServer:
         return []
 
 
-def start_server(app: FastAPI, db: Database) -> tuple[LiveServer, Callable[[], None]]:
+def run_in_thread(
+    app: Any, *, lifespan: str = "on", log_level: str = "warning", timeout: float = 60
+) -> tuple[str, Callable[[], None]]:
+    """Any ASGI app on a free port in a background thread: its base URL, and a function that stops it."""
     import uvicorn
 
     port = services.free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level, lifespan=lifespan))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + timeout
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("the test server did not start")
@@ -63,7 +66,12 @@ def start_server(app: FastAPI, db: Database) -> tuple[LiveServer, Callable[[], N
         server.should_exit = True
         thread.join(30)
 
-    return LiveServer(f"http://127.0.0.1:{port}", db, app), stop
+    return f"http://127.0.0.1:{port}", stop
+
+
+def start_server(app: FastAPI, db: Database) -> tuple[LiveServer, Callable[[], None]]:
+    url, stop = run_in_thread(app)
+    return LiveServer(url, db, app), stop
 
 
 def serve_gateway(

@@ -14,7 +14,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -45,7 +44,7 @@ from gateway.db.models import Usage
 from gateway.settings import Settings, TierSettings
 from gateway.tenants import authenticate, create_key
 from gateway.tiers import check_fallbacks, load_remote
-from live import LiveServer, start_server
+from live import LiveServer, run_in_thread, start_server
 from policies.policy import Policy
 from policies.pricing import Tokens, charge
 from tiny import tiny_hf_model
@@ -145,22 +144,7 @@ class Stub:
 
 
 def serve(app: Starlette) -> tuple[str, Callable[[], None]]:
-    import uvicorn
-
-    port = services.free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical", lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the stub server did not start"
-        time.sleep(0.02)
-
-    def stop() -> None:
-        server.should_exit = True
-        thread.join(10)
-
-    return f"http://127.0.0.1:{port}", stop
+    return run_in_thread(app, lifespan="off", log_level="critical", timeout=30)
 
 
 @pytest.fixture(scope="module")
