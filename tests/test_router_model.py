@@ -13,10 +13,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from gateway.cli import main
 from gateway.semantic_cache import Embedder
 from router_model import calibrate, evaluate
+from router_model.encoder import Int8Linear, RouterEncoder
 from router_model.examples import LabelFileError, ids_hash, load_examples, split_examples
 from router_model.features import (
     CHEAP_FEATURES,
@@ -32,7 +34,7 @@ from router_model.train import TrainResult, train_router
 
 @pytest.fixture(scope="module")
 def embedder() -> Embedder:
-    return Embedder()
+    return RouterEncoder()
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +47,31 @@ def _feature(vector: np.ndarray, name: str) -> float:
     return float(vector[CHEAP_FEATURES.index(name)])
 
 
+def test_int8_encoder_matches_minilm(embedder: Embedder) -> None:
+    """Our int8 MiniLM against sentence-transformers' fp32 one (the oracle) on real prompts."""
+    texts = [embedding_text(e.messages) for e in synthetic_examples(40, seed=5)]
+    texts += ["Hi", "x" * 3000]  # one word piece and past MiniLM's 256-piece limit
+    ours = embedder.encode(texts)
+    reference = Embedder(cache_size=0).encode(texts)
+    cosine = (ours * reference).sum(axis=1)
+    assert np.allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)
+    assert cosine.min() > 0.97 and np.median(cosine) > 0.99, cosine
+    # nearer its own fp32 twin than any other text's: the int8 error is far below what tells texts apart
+    assert ((ours @ reference.T).argmax(axis=1) == np.arange(len(texts))).all()
+
+    linear = torch.nn.Linear(64, 48)
+    x = torch.randn(5, 7, 64)
+    x[0, 0, 3] = 40.0  # one outlier activation scales only its own token
+    quantized, exact = Int8Linear(linear)(x), linear(x)
+    assert quantized.shape == exact.shape
+    error = (quantized - exact).norm(dim=-1) / exact.norm(dim=-1)
+    assert error.max() < 0.03, error
+
+
 def test_features_are_deterministic_and_versioned(embedder: Embedder) -> None:
     conversations = [e.messages for e in synthetic_examples(24, seed=3)]
     first = featurize(conversations, embedder)
-    again = featurize(conversations, Embedder())  # a fresh model and no cache: the same numbers
+    again = featurize(conversations, RouterEncoder())  # a fresh model and no cache: the same numbers
     assert first.shape == (24, Embedder.DIM + len(CHEAP_FEATURES)) and first.dtype == np.float32
     assert np.array_equal(first, again)
     assert FEATURE_VERSION and len(set(CHEAP_FEATURES)) == len(CHEAP_FEATURES)
