@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,9 @@ def copy_tokenizer_files(src: Path, dst: Path) -> None:
             shutil.copy2(Path(src) / name, Path(dst) / name)
 
 
+CHAT_CACHE_SIZE = 1024  # conversations whose token ids are remembered
+
+
 class ChatTemplateError(ValueError):
     """The messages cannot be rendered by the model's chat template."""
 
@@ -34,6 +38,11 @@ class Tokenizer:
         self.hf = AutoTokenizer.from_pretrained(model_dir)
         self.backend: tokenizers.Tokenizer = self.hf.backend_tokenizer
         self.eos_token_ids = frozenset(_eos_ids(model_dir, self.hf.eos_token_id))
+        # Rendering the chat template (jinja) costs more than the rest of an exact cache hit's own work,
+        # and hits are repeated conversations: remember recent ones. Thread-safe, bounded.
+        self._chat_ids = functools.lru_cache(maxsize=CHAT_CACHE_SIZE)(self._encode_chat_key)
+        # ...unless the template reads the clock (Llama 3's "Today Date"): then the same messages render anew
+        self._remember_chats = "strftime_now" not in str(self.hf.chat_template or "")
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
@@ -51,7 +60,17 @@ class Tokenizer:
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         # The rendered template already holds every special token the model expects.
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+        try:
+            key = tuple(tuple(m.items()) for m in messages)
+            hash(key)
+        except TypeError:  # content parts or other unhashable values: not remembered
+            key = None
+        if key is None or not self._remember_chats:
+            return self.encode(self.render_chat(messages), add_special_tokens=False)
+        return list(self._chat_ids(key))
+
+    def _encode_chat_key(self, key: tuple[tuple[tuple[str, Any], ...], ...]) -> tuple[int, ...]:
+        return tuple(self.encode(self.render_chat([dict(m) for m in key]), add_special_tokens=False))
 
 
 def _eos_ids(model_dir: Path, tokenizer_eos: int | None) -> set[int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import secrets
 import time
@@ -78,6 +79,11 @@ def create_app(
             running, ledger, settings, policies, app.state.budgets, cache, app.state.metrics, routing
         )
         app.state.started = int(time.time())
+        # Everything loaded so far (models, tokenizers, the ORM, jinja) lives as long as the process: keep it
+        # out of the collector's scans. A full collection walked all of it, stalling every request in
+        # flight for up to ~0.2 s (the p99 of cache hits); requests' own garbage is collected as before.
+        gc.collect()
+        gc.freeze()
         try:
             yield
         finally:
@@ -95,6 +101,9 @@ def create_app(
         title="switchboard",
         summary="An OpenAI-compatible gateway over tiered in-process engines.",
         lifespan=lifespan,
+        # FastAPI's OpenTelemetry hooks look up the global providers on every request (~5% of a cache
+        # hit's CPU); we export Prometheus metrics and JSON logs ourselves.
+        telemetry={"tracing": False, "metrics": False, "logs": False},
     )
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
     app.add_middleware(RequestIdMiddleware)  # added last: outermost, so every log line of a request has its id

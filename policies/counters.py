@@ -71,36 +71,43 @@ class Counters(Protocol):
     async def close(self) -> None: ...
 
 
+# ARGV: reservations hash, reservation id, its record, then one JSON array of [amount, limit ('' for
+# none), ttl, seeded ('1'/'0')] per KEYS, as strings (Lua's doubles would round large amounts). One
+# packed argument instead of four per counter: building and parsing ~45 arguments per request was the
+# largest single cost of a cache hit in redis-py.
 _RESERVE = """
 local n = #KEYS
+local spec = cjson.decode(ARGV[4])
 local missing = {}
 for i = 1, n do
-  if ARGV[3 + (i - 1) * 4 + 4] == '1' and redis.call('EXISTS', KEYS[i]) == 0 then
+  if spec[i][4] == '1' and redis.call('EXISTS', KEYS[i]) == 0 then
     missing[#missing + 1] = KEYS[i]
   end
 end
 if #missing > 0 then return {-1, missing} end
 for i = 1, n do
-  local limit = ARGV[3 + (i - 1) * 4 + 2]
+  local limit = spec[i][2]
   if limit ~= '' then
     local cur = tonumber(redis.call('GET', KEYS[i]) or '0')
-    if cur + tonumber(ARGV[3 + (i - 1) * 4 + 1]) > tonumber(limit) then return {i, tostring(cur)} end
+    if cur + tonumber(spec[i][1]) > tonumber(limit) then return {i, tostring(cur)} end
   end
 end
 for i = 1, n do
-  redis.call('INCRBY', KEYS[i], ARGV[3 + (i - 1) * 4 + 1])
-  redis.call('EXPIRE', KEYS[i], ARGV[3 + (i - 1) * 4 + 3], 'NX')
+  redis.call('INCRBY', KEYS[i], spec[i][1])
+  redis.call('EXPIRE', KEYS[i], spec[i][3], 'NX')
 end
 redis.call('HSET', ARGV[1], ARGV[2], ARGV[3])
 return {0}
 """
 
-# ARGV: reservations hash, reservation id, key to bump ('' for none), its ttl, then one delta per KEYS.
+# ARGV: reservations hash, reservation id, key to bump ('' for none), its ttl, then a JSON array of one
+# delta (a string) per KEYS.
 _SETTLE = """
 local held = redis.call('HDEL', ARGV[1], ARGV[2])
 if held == 1 then
+  local deltas = cjson.decode(ARGV[5])
   for i = 1, #KEYS do
-    if ARGV[4 + i] ~= '0' and redis.call('EXISTS', KEYS[i]) == 1 then redis.call('INCRBY', KEYS[i], ARGV[4 + i]) end
+    if deltas[i] ~= '0' and redis.call('EXISTS', KEYS[i]) == 1 then redis.call('INCRBY', KEYS[i], deltas[i]) end
   end
 end
 if ARGV[3] ~= '' then
@@ -150,9 +157,11 @@ class RedisCounters:
         return f"{self.namespace}:reservations"
 
     async def reserve(self, resv_id: str, items: list[Item]) -> Refused | None:
-        args: list[str | int] = [self._resv_key, resv_id, _record(items)]
-        for it in items:
-            args += [it.amount, "" if it.limit is None else it.limit, it.ttl, "1" if it.seeded else "0"]
+        spec = [
+            [str(it.amount), "" if it.limit is None else str(it.limit), str(it.ttl), "1" if it.seeded else "0"]
+            for it in items
+        ]
+        args = [self._resv_key, resv_id, _record(items), json.dumps(spec)]
         result = await self._reserve(keys=[it.key for it in items], args=args)
         if result[0] == -1:
             raise Missing(list(result[1]))
@@ -162,7 +171,7 @@ class RedisCounters:
         self, resv_id: str, deltas: list[tuple[str, int]], bump: str | None = None, bump_ttl: int = 3600
     ) -> bool:
         """Add `deltas` if the reservation is still held; bump `bump` either way. True if it was held."""
-        args = [self._resv_key, resv_id, bump or "", bump_ttl, *(d for _, d in deltas)]
+        args = [self._resv_key, resv_id, bump or "", bump_ttl, json.dumps([str(d) for _, d in deltas])]
         return bool(await self._settle(keys=[k for k, _ in deltas], args=args))
 
     async def rebuild(self, version: str, seen: int | None, values: dict[str, tuple[int, int]]) -> bool:

@@ -1,4 +1,4 @@
-"""Streaming text: whole characters only, stop strings never leak, streamed == final text."""
+"""Streaming text: whole characters only, stop strings never leak, streamed == final text; chat prompts."""
 
 from __future__ import annotations
 
@@ -62,3 +62,17 @@ def test_special_tokens_add_no_text(tokenizer: Tokenizer) -> None:
     for token in [*tokenizer.encode("hi", add_special_tokens=False), 2]:  # 2 is <|im_end|>
         detok.push(token)
     assert detok.take(finished=True) == "hi"
+
+
+def test_chat_prompts_are_remembered_but_never_shared(tokenizer: Tokenizer) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name the capital of France."}]
+    expected = tokenizer.encode(tokenizer.render_chat(messages), add_special_tokens=False)
+    first = tokenizer.encode_chat(messages)
+    assert first == expected
+    first.append(-1)  # a caller changing its list does not change what the next caller gets
+    again = tokenizer.encode_chat([dict(m) for m in messages])
+    assert again == expected and tokenizer._chat_ids.cache_info().hits >= 1
+    other = tokenizer.encode_chat([messages[0], {"role": "user", "content": "Name the capital of Spain."}])
+    assert other != expected
+    parts = [{"role": "user", "content": "Hi", "tool_calls": []}]  # unhashable: rendered each time
+    assert tokenizer.encode_chat(parts) == tokenizer.encode(tokenizer.render_chat(parts), add_special_tokens=False)
