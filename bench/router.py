@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=2 .venv/bin/python bench/router.py --labels PATH [--router DIR] [--plot PATH]
     OMP_NUM_THREADS=2 .venv/bin/python bench/router.py --synthetic 400      # smoke check, no real labels
 
-Trains on the label file's training split (seeded, stratified by source; three classifiers compared by
+Trains on the label file's training split (seeded, stratified by source; six classifiers compared by
 cross-validated APGR, as `switchboard router train` does) or, with `--router`, loads a saved router;
 then evaluates on the held-out split (the prompts the router was not trained on): quality against the
 share of large-tier calls, APGR, CPT(50%), CPT(80%), against random routing, the prompt-length heuristic

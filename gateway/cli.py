@@ -125,7 +125,7 @@ def _parser() -> argparse.ArgumentParser:
     rlabel.add_argument("--keep-text", action="store_true", help="also store both answers in each row")
     rlabel.set_defaults(handler=_router_label)
     where = {"help": "the router's directory (default: HOME/router)", "metavar": "DIR"}
-    rtrain = router.add_parser("train", help="train on a label file; keeps the best of three classifiers")
+    rtrain = router.add_parser("train", help="train on a label file; keeps the best of the candidate classifiers")
     rtrain.add_argument("--labels", metavar="PATH", help="default: router label's (router_model/data/labels.jsonl)")
     rtrain.add_argument("--router", **where)
     rtrain.add_argument("--test-size", type=float, default=0.2, help="held-out share, stratified by source")
