@@ -1,0 +1,91 @@
+"""Verifiers on their own: verdicts, composition as documented, degeneration detection."""
+
+from __future__ import annotations
+
+import pytest
+
+from verifiers.base import NOT_CHECKED, Action, Context, Trace, TraceVerifier, Verdict
+from verifiers.compose import all_of, any_of, weighted
+from verifiers.degeneration import Degeneration, repeating_tail
+
+CTX = Context(prompt="Tell me about cats.")
+
+
+class Fixed(TraceVerifier):
+    """Answers every trace with one verdict (a test double for composition)."""
+
+    def __init__(self, name: str, action: Action, score: float, every: int = 0) -> None:
+        self.name, self.action, self.score, self.every = name, action, score, every
+
+    def check_trace(self, context: Context, trace: Trace) -> Verdict:
+        return self.verdict(self.action, self.score, f"{self.name} says {self.action}")
+
+
+def done(tokens: list[int] | None = None, text: str = "") -> Trace:
+    return Trace(0, list(tokens or [1, 2, 3]), text, finished=True, finish_reason="stop")
+
+
+def test_repeating_tail_finds_the_loop_and_its_period() -> None:
+    assert repeating_tail([5, 6, 7, 8], 8) == (0, 0)
+    assert repeating_tail([9] + [1] * 10, 8) == (1, 10)
+    assert repeating_tail([9, 8] + [1, 2, 3] * 5, 8) == (3, 15)
+    # the shortest period among equally long tails: (1 2)x4 is also (1 2 1 2)x2
+    assert repeating_tail([7, 1, 2, 1, 2, 1, 2, 1, 2], 8) == (2, 8)
+
+
+def test_degeneration_stops_loops_and_runaway_lists_only() -> None:
+    v = Degeneration(min_tokens=12, min_repeats=3)
+    sentence = list(range(100, 108))  # an 8-token sentence said again and again
+    looping = done(list(range(20)) + sentence * 4)
+    verdict = v.check(CTX, [looping])[0]
+    assert verdict.action is Action.STOP and "every 8 tokens" in verdict.reason and 0 < verdict.score < 1
+    assert v.check(CTX, [done(list(range(20)) + sentence * 2)])[0].action is Action.CONTINUE  # said twice: fine
+    varied = done(list(range(200)))
+    assert v.check(CTX, [varied])[0] == Verdict(Action.CONTINUE, 1.0, "", "degeneration")
+    many = "\n".join(f"- item {i}" for i in range(70))
+    assert v.check(CTX, [done(text=many)])[0].action is Action.STOP
+    same = "Intro\n" + "\n".join(["Yes, I can help."] * 6)
+    assert v.check(CTX, [done(text=same)])[0].action is Action.STOP
+
+
+def test_in_flight_verifiers_look_every_n_tokens_even_when_steps_add_several() -> None:
+    v = Degeneration(every=16)
+    trace = Trace(0)
+    looked = []
+    for step in range(12):
+        trace.token_ids += [step, step + 1, step + 2]  # a speculative step adds 3 tokens at a time
+        if v.check(CTX, [trace])[0] is not NOT_CHECKED:
+            looked.append(trace.num_tokens)
+    assert looked == [18, 36]  # 16 tokens or more since the last look, never skipped
+
+
+def test_composition_as_documented() -> None:
+    stop = Fixed("s", Action.STOP, 0.9)
+    prune = Fixed("p", Action.PRUNE, 0.2)
+    ok = Fixed("ok", Action.CONTINUE, 0.8)
+    escalate = Fixed("e", Action.ESCALATE, 0.1)
+    t = [done()]
+    assert any_of(ok, stop, prune).check(CTX, t)[0].verifier == "p"  # the most drastic wins
+    assert any_of(ok, stop, prune).check(CTX, t)[0].action is Action.PRUNE
+    assert any_of(escalate, prune).check(CTX, t)[0].action is Action.ESCALATE
+    assert any_of(ok, Fixed("ok2", Action.CONTINUE, 0.5)).check(CTX, t)[0].action is Action.CONTINUE
+    # all: only if every member asks for an action; then the mildest, with the lowest score
+    assert all_of(stop, ok).check(CTX, t)[0].action is Action.CONTINUE
+    both = all_of(stop, prune).check(CTX, t)[0]
+    assert both.action is Action.STOP and both.score == 0.2 and "s:" in both.reason and "p:" in both.reason
+    # weighted: (0.9*1 + 0.2*3) / 4 = 0.375 < 0.5 -> the configured action
+    w = weighted((stop, 1.0), (prune, 3.0), threshold=0.5, action=Action.ESCALATE).check(CTX, t)[0]
+    assert w.action is Action.ESCALATE and w.score == pytest.approx(0.375)
+    assert weighted((stop, 3.0), (prune, 1.0), threshold=0.5).check(CTX, t)[0].action is Action.CONTINUE
+    with pytest.raises(ValueError):
+        weighted((stop, 0.0))
+
+
+def test_weighted_ignores_members_that_did_not_look() -> None:
+    late = Fixed("late", Action.CONTINUE, 0.0, every=0)  # final-only: silent while the trace runs
+    eager = Fixed("eager", Action.CONTINUE, 0.9, every=4)
+    combined = weighted((late, 1.0), (eager, 1.0), threshold=0.5)
+    assert combined.every == 4
+    running = Trace(0, [1, 2, 3, 4])
+    assert combined.check(CTX, [running])[0].score == pytest.approx(0.9)  # only the eager one looked
+    assert combined.check(CTX, [done([1, 2, 3, 4, 5])])[0].action is Action.ESCALATE  # both: 0.45

@@ -1,0 +1,129 @@
+"""What a verifier sees and what it says.
+
+A verifier looks at a request (`Context`) and one or more of its generations (`Trace`: token ids, text,
+per-token logprobs with the top alternatives) while they run or once they finish, and answers each
+trace with a `Verdict`: continue, stop (good enough: end it here, keep what it has), prune (this path is
+bad: end it and drop it) or escalate (the answer will not do: hand the request to a larger tier), with
+a score and a reason. Verifiers that judge one trace at a time subclass `TraceVerifier`; those that
+judge the traces of one request together (self-consistency votes) implement `check` over all of them.
+
+`every` says how often an in-flight verifier wants to look: every N generated tokens of a trace
+(0: only once it has finished). The engine calls in-flight verifiers from its step loop, so `check`
+must be cheap (incremental where it can): slow checks (running tests, a learned probe) are final-only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+
+class Action(StrEnum):
+    CONTINUE = "continue"
+    STOP = "stop"  # good enough: end the trace now and keep it
+    PRUNE = "prune"  # a bad path: end the trace and drop it
+    ESCALATE = "escalate"  # the answer will not do: retry the request on a larger tier
+
+
+# Which action wins when verifiers disagree (`any_of`): the most drastic.
+SEVERITY = {Action.CONTINUE: 0, Action.STOP: 1, Action.PRUNE: 2, Action.ESCALATE: 3}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    action: Action
+    score: float = 1.0  # the verifier's own scale; higher is better
+    reason: str = ""
+    verifier: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "verifier": self.verifier,
+            "action": str(self.action),
+            "score": round(self.score, 4),
+            "reason": self.reason,
+        }
+
+
+# What a verifier answers for a trace it did not look at (not due yet). A verifier that looks answers with
+# its own name and score, even to continue, so a weighted combination can tell the two apart.
+NOT_CHECKED = Verdict(Action.CONTINUE)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token: its log-probability and the most likely alternatives (id, logprob), best first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass
+class Trace:
+    """One choice of a request, as far as it has been generated."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # empty unless the verifiers asked for them
+    finished: bool = False
+    finish_reason: str | None = None
+    state: dict[Any, Any] = field(default_factory=dict)  # verifiers' incremental state, keyed by their names
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class Context:
+    """The request the traces answer."""
+
+    prompt: str = ""  # the last user message, or the completion prompt
+    messages: Sequence[Mapping[str, Any]] = ()
+    response_format: Mapping[str, Any] | None = None
+    tests: str | None = None  # code that checks a code answer (raises on failure), if the caller gave it
+    reference: str | None = None  # a known answer, where there is one (benchmarks)
+
+
+class Verifier:
+    """Base: a name, how often it looks (`every` tokens; 0 = when finished) and how many alternatives
+    per token it needs in `Trace.logprobs` (0: none)."""
+
+    name: str = "verifier"
+    every: int = 0
+    top_logprobs: int = 0
+
+    def check(self, context: Context, traces: Sequence[Trace]) -> list[Verdict]:
+        """One verdict per trace, in order."""
+        raise NotImplementedError
+
+    def due(self, trace: Trace) -> bool:
+        """Whether this trace should be checked now: finished, or `every` tokens since its last check
+        (a speculative step can add several tokens at once, so not "at multiples of")."""
+        if trace.finished:
+            return True
+        return self.every > 0 and trace.num_tokens - trace.state.get(("checked", self.name), 0) >= self.every
+
+
+class TraceVerifier(Verifier):
+    """A verifier of one trace at a time."""
+
+    def check(self, context: Context, traces: Sequence[Trace]) -> list[Verdict]:
+        verdicts = []
+        for t in traces:
+            if self.due(t):
+                t.state[("checked", self.name)] = t.num_tokens
+                verdicts.append(self.check_trace(context, t))
+            else:
+                verdicts.append(NOT_CHECKED)
+        return verdicts
+
+    def check_trace(self, context: Context, trace: Trace) -> Verdict:
+        raise NotImplementedError
+
+    def verdict(self, action: Action, score: float, reason: str) -> Verdict:
+        return Verdict(action, score, reason, self.name)
