@@ -25,7 +25,7 @@ from engines.model_loader import load_model
 from engines.model_runner import Chunk, ModelRunner
 from engines.models.llama import LlamaForCausalLM
 from engines.proposers import Draft, DraftProposer, NgramProposer
-from engines.request import EngineRequest, FinishReason, RequestOutput
+from engines.request import EngineRequest, FinishReason, GenerationHook, RequestOutput, TokenLogprob
 from engines.sampling import sample
 from engines.scheduler import Scheduler
 from engines.sequence import Sequence
@@ -40,6 +40,18 @@ class RequestRejected(ValueError):
     def __init__(self, message: str, code: str | None = None) -> None:
         super().__init__(message)
         self.code = code
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> tuple[TokenLogprob, ...]:
+    """Row j of `logits` is the distribution token j was drawn from: its log-probability and the k most
+    likely alternatives, under the model (before temperature, top-k/top-p and penalties)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top_p, top_i = logp.topk(min(k, logp.shape[-1]), dim=-1)
+    chosen = logp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    return tuple(
+        TokenLogprob(t, c, tuple(zip(ids, ps, strict=True)))
+        for t, c, ids, ps in zip(tokens, chosen, top_i.tolist(), top_p.tolist(), strict=True)
+    )
 
 
 def check_context(prompt_token_ids: list[int], max_tokens: int, max_model_len: int) -> None:
@@ -297,6 +309,7 @@ class Engine:
             zip(plain, sample(logits[[rows[i] for i in plain]], [batch.seqs[i].sampling for i in plain]), strict=True)
         )
         outputs = []
+        watched: list[tuple[GenerationHook, RequestOutput]] = []  # outputs of requests with a hook
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new, strict=True)):
             if i in drafts:
                 draft = drafts[i]
@@ -315,6 +328,10 @@ class Engine:
                 appended.append(token)
                 if seq.finish_reason is not None:
                     break
+            hook = seq.request.hook
+            logprobs: tuple[TokenLogprob, ...] = ()
+            if hook is not None and hook.top_logprobs > 0:  # token j was sampled from logits row rows[i] + j
+                logprobs = token_logprobs(logits[rows[i] : rows[i] + len(appended)], appended, hook.top_logprobs)
             # Every token but the newest now has its KV: after a verification, the last token and the
             # kept drafts; the rejected drafts' positions roll back and their blocks go back.
             seq.num_computed = len(seq.token_ids) - 1
@@ -327,10 +344,14 @@ class Engine:
                 self.speculator.verified(seq, len(drafts[i].tokens), len(tokens) - 1, len(appended))
                 seq.draft_proposed += len(drafts[i].tokens)
                 seq.draft_accepted += min(len(tokens) - 1, len(appended))  # billed: never past the end
-            outputs.append(seq.output(appended))
+            outputs.append(seq.output(appended, logprobs))
+            if hook is not None:
+                watched.append((hook, outputs[-1]))
             if seq.finish_reason is not None:
                 del self._seqs[seq.request_id]
                 self._finish(seq)
+        if watched:
+            outputs += self._run_hooks(watched)
         if self.speculator is not None:
             started_now = [seq for seq in batch.seqs if seq.num_generated == 1 and seq.finish_reason is None]
             if started_now:
@@ -340,6 +361,24 @@ class Engine:
         self._generated += sum(len(o.new_token_ids) for o in outputs)
         self._recent.append((time.perf_counter() - started, batch.num_tokens))
         return outputs
+
+    def _run_hooks(self, watched: list[tuple[GenerationHook, RequestOutput]]) -> list[RequestOutput]:
+        """Show this step's outputs to their requests' hooks; end the sequences the hooks decide to end,
+        as an abort does (blocks freed at once), and return those sequences' final outputs."""
+        hooks: dict[int, GenerationHook] = {}
+        for hook, out in watched:
+            hook.observe(out)
+            hooks[id(hook)] = hook
+        ended = []
+        for hook in hooks.values():
+            for request_id, reason in hook.decide().items():
+                seq = self._seqs.pop(request_id, None)
+                if seq is None:  # finished already (or not this engine's)
+                    continue
+                self._finish(seq)
+                seq.finish_reason = reason
+                ended.append(seq.output([]))
+        return ended
 
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)

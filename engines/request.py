@@ -1,9 +1,11 @@
-"""What crosses the boundary between the gateway and an engine: requests in, outputs out."""
+"""What crosses the boundary between the gateway and an engine: requests in (with verifier hooks), outputs out."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Protocol
 
 from engines.sampling import SamplingParams
 
@@ -13,6 +15,36 @@ class FinishReason(StrEnum):
     LENGTH = "length"  # max_tokens or the model's context
     ABORT = "abort"  # the caller went away
     ERROR = "error"  # the engine failed while serving it
+    PRUNED = "pruned"  # a verifier judged this path bad and ended it (its text is dropped)
+    ESCALATE = "escalate"  # a verifier judged the answer inadequate: the caller retries on a larger tier
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token: its log-probability under the model and the most likely alternatives
+    (token id, log-probability), best first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+class GenerationHook(Protocol):
+    """Called from the engine's step loop for the sequences of the requests that carry it (the n choices
+    of one request share one hook): it sees every output and may end sequences. It runs between steps on
+    the engine's thread, so it must be cheap."""
+
+    @property
+    def top_logprobs(self) -> int:
+        """Alternatives per generated token to put in the outputs' `logprobs` (0: no logprobs at all)."""
+        ...
+
+    def observe(self, output: RequestOutput) -> None:
+        """One step's output of one of its sequences (the last one has a finish reason)."""
+
+    def decide(self) -> Mapping[str, FinishReason]:
+        """Sequences (request ids) to end now, with the reason (STOP, PRUNED or ESCALATE)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -22,6 +54,7 @@ class EngineRequest:
     params: SamplingParams
     priority: int = 0  # lower runs first; equal priorities are served first come, first served
     cache_salt: str = ""  # prefix-cache scope: requests share cached prefixes only with the same salt
+    hook: GenerationHook | None = None  # verifiers looking at the generation as it runs
 
 
 @dataclass(frozen=True)
@@ -38,6 +71,7 @@ class RequestOutput:
     cached_tokens: int = 0  # prompt tokens found in the prefix cache on admission
     draft_proposed: int = 0  # drafted tokens this request's verifications checked, so far
     draft_accepted: int = 0  # of them, kept
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per new token, when the request's hook asks for them
 
     @property
     def finished(self) -> bool:

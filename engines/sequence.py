@@ -12,7 +12,7 @@ from enum import Enum, auto
 
 from engines.block_manager import BlockTable
 from engines.detokenizer import IncrementalDetokenizer
-from engines.request import EngineRequest, FinishReason, RequestOutput
+from engines.request import EngineRequest, FinishReason, RequestOutput, TokenLogprob
 from engines.sampling import SamplingState
 
 
@@ -75,7 +75,7 @@ class Sequence:
         elif self.num_generated >= params.max_tokens or len(self.token_ids) >= max_model_len:
             self.finish_reason = FinishReason.LENGTH
 
-    def output(self, new_ids: list[int]) -> RequestOutput:
+    def output(self, new_ids: list[int], logprobs: tuple[TokenLogprob, ...] = ()) -> RequestOutput:
         return RequestOutput(
             request_id=self.request_id,
             new_token_ids=new_ids,
@@ -86,4 +86,5 @@ class Sequence:
             cached_tokens=max(0, self.cached_tokens),
             draft_proposed=self.draft_proposed,
             draft_accepted=self.draft_accepted,
+            logprobs=logprobs,
         )

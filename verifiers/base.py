@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from engines.request import TokenLogprob
+
 
 class Action(StrEnum):
     CONTINUE = "continue"
@@ -50,15 +52,6 @@ class Verdict:
 # What a verifier answers for a trace it did not look at (not due yet). A verifier that looks answers with
 # its own name and score, even to continue, so a weighted combination can tell the two apart.
 NOT_CHECKED = Verdict(Action.CONTINUE)
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """One generated token: its log-probability and the most likely alternatives (id, logprob), best first."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass

@@ -1,0 +1,78 @@
+"""Verifiers inside the engine's step loop: the `GenerationHook` a request carries.
+
+One hook per request, shared by its n choices (a self-consistency vote sees them all). The engine shows
+it every step's outputs; the hook keeps each choice's trace (tokens, text, logprobs) and, when the
+verifier says so, ends running choices through the engine's abort path: stop (kept), prune (dropped)
+or escalate. Verdicts on finished choices are kept too (`final`): a final-only verifier's escalate is
+what a cascade acts on. Every non-continue verdict is recorded once per choice (`actions`), for the
+response header and the usage row.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from engines.request import FinishReason, RequestOutput
+from verifiers.base import NOT_CHECKED, Action, Context, Trace, Verdict, Verifier
+
+ENDS = {Action.STOP: FinishReason.STOP, Action.PRUNE: FinishReason.PRUNED, Action.ESCALATE: FinishReason.ESCALATE}
+
+
+class VerifierHook:
+    def __init__(self, verifier: Verifier, context: Context, request_ids: Sequence[str]) -> None:
+        self.verifier = verifier
+        self.context = context
+        self.traces = {rid: Trace(i) for i, rid in enumerate(request_ids)}
+        self.final: dict[int, Verdict] = {}  # choice index → the verdict on its finished trace
+        self.actions: list[dict[str, Any]] = []  # non-continue verdicts, each choice's first of each kind
+        self._ended: set[str] = set()
+        self._lock = threading.Lock()  # the engine thread writes, the gateway reads `actions` at the end
+
+    @property
+    def top_logprobs(self) -> int:
+        return self.verifier.top_logprobs
+
+    def observe(self, output: RequestOutput) -> None:
+        trace = self.traces.get(output.request_id)
+        if trace is None:
+            return
+        trace.token_ids += output.new_token_ids
+        trace.text += output.text
+        trace.logprobs += output.logprobs
+        if output.finish_reason is not None:
+            trace.finished, trace.finish_reason = True, output.finish_reason.value
+
+    def decide(self) -> Mapping[str, FinishReason]:
+        pending = [t for rid, t in self.traces.items() if rid not in self._ended and not _settled(t, self.final)]
+        if not pending:
+            return {}
+        verdicts = self.verifier.check(self.context, pending)
+        ends: dict[str, FinishReason] = {}
+        ids = {t.index: rid for rid, t in self.traces.items()}
+        for trace, verdict in zip(pending, verdicts, strict=True):
+            if verdict is NOT_CHECKED:
+                continue
+            if trace.finished:
+                self.final[trace.index] = verdict
+            if verdict.action is Action.CONTINUE:
+                continue
+            self._record(trace, verdict)
+            if not trace.finished:
+                ends[ids[trace.index]] = ENDS[verdict.action]
+                self._ended.add(ids[trace.index])
+        return ends
+
+    def _record(self, trace: Trace, verdict: Verdict) -> None:
+        with self._lock:
+            self.actions.append({"choice": trace.index, "tokens": trace.num_tokens, **verdict.as_dict()})
+
+    def summary(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self.actions)
+
+
+def _settled(trace: Trace, final: Mapping[int, Verdict]) -> bool:
+    """A finished trace is judged once."""
+    return trace.finished and trace.index in final
