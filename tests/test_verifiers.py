@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from engines.request import TokenLogprob
 from verifiers.base import NOT_CHECKED, Action, Context, Trace, TraceVerifier, Verdict
 from verifiers.compose import all_of, any_of, weighted
+from verifiers.confidence import Confidence, token_confidence
 from verifiers.degeneration import Degeneration, repeating_tail
 
 CTX = Context(prompt="Tell me about cats.")
@@ -64,19 +66,18 @@ def test_composition_as_documented() -> None:
     prune = Fixed("p", Action.PRUNE, 0.2)
     ok = Fixed("ok", Action.CONTINUE, 0.8)
     escalate = Fixed("e", Action.ESCALATE, 0.1)
-    t = [done()]
-    assert any_of(ok, stop, prune).check(CTX, t)[0].verifier == "p"  # the most drastic wins
-    assert any_of(ok, stop, prune).check(CTX, t)[0].action is Action.PRUNE
-    assert any_of(escalate, prune).check(CTX, t)[0].action is Action.ESCALATE
-    assert any_of(ok, Fixed("ok2", Action.CONTINUE, 0.5)).check(CTX, t)[0].action is Action.CONTINUE
+    assert any_of(ok, stop, prune).check(CTX, [done()])[0].verifier == "p"  # the most drastic wins
+    assert any_of(ok, stop, prune).check(CTX, [done()])[0].action is Action.PRUNE
+    assert any_of(escalate, prune).check(CTX, [done()])[0].action is Action.ESCALATE
+    assert any_of(ok, Fixed("ok2", Action.CONTINUE, 0.5)).check(CTX, [done()])[0].action is Action.CONTINUE
     # all: only if every member asks for an action; then the mildest, with the lowest score
-    assert all_of(stop, ok).check(CTX, t)[0].action is Action.CONTINUE
-    both = all_of(stop, prune).check(CTX, t)[0]
+    assert all_of(stop, ok).check(CTX, [done()])[0].action is Action.CONTINUE
+    both = all_of(stop, prune).check(CTX, [done()])[0]
     assert both.action is Action.STOP and both.score == 0.2 and "s:" in both.reason and "p:" in both.reason
     # weighted: (0.9*1 + 0.2*3) / 4 = 0.375 < 0.5 -> the configured action
-    w = weighted((stop, 1.0), (prune, 3.0), threshold=0.5, action=Action.ESCALATE).check(CTX, t)[0]
+    w = weighted((stop, 1.0), (prune, 3.0), threshold=0.5, action=Action.ESCALATE).check(CTX, [done()])[0]
     assert w.action is Action.ESCALATE and w.score == pytest.approx(0.375)
-    assert weighted((stop, 3.0), (prune, 1.0), threshold=0.5).check(CTX, t)[0].action is Action.CONTINUE
+    assert weighted((stop, 3.0), (prune, 1.0), threshold=0.5).check(CTX, [done()])[0].action is Action.CONTINUE
     with pytest.raises(ValueError):
         weighted((stop, 0.0))
 
@@ -89,3 +90,46 @@ def test_weighted_ignores_members_that_did_not_look() -> None:
     running = Trace(0, [1, 2, 3, 4])
     assert combined.check(CTX, [running])[0].score == pytest.approx(0.9)  # only the eager one looked
     assert combined.check(CTX, [done([1, 2, 3, 4, 5])])[0].action is Action.ESCALATE  # both: 0.45
+
+
+def _trace(index: int, n: int, sure: bool, text: str = "", finished: bool = False) -> Trace:
+    """A trace of n tokens whose top-5 alternatives are peaked (sure) or flat (unsure)."""
+    top = ((1, -0.01), (2, -7.0), (3, -8.0), (4, -9.0), (5, -10.0)) if sure else tuple((i, -1.6) for i in range(5))
+    lps = [TokenLogprob(1, top[0][1], top) for _ in range(n)]
+    return Trace(index, [1] * n, text, lps, finished=finished, finish_reason="stop" if finished else None)
+
+
+def test_confidence_scores_peaked_distributions_higher() -> None:
+    assert token_confidence(((1, -0.01), (2, -7.0))) > token_confidence(((1, -0.7), (2, -0.7)))
+
+
+def test_confidence_stops_the_rest_once_the_vote_has_converged() -> None:
+    v = Confidence(every=8, window=8, min_votes=3, consensus=0.95)
+    answer = "So she has 18 apples. The answer is 18."
+    finished = [_trace(i, 40, True, answer, finished=True) for i in range(3)]
+    running = [_trace(i, 40, True) for i in range(3, 8)]
+    verdicts = v.check(CTX, finished + running)
+    assert [d.action for d in verdicts[3:]] == [Action.STOP] * 5 and "'18'" in verdicts[3].reason
+    assert all(d.action is Action.CONTINUE for d in verdicts[:3])
+    # split votes do not stop anything
+    split = [_trace(0, 40, True, "The answer is 18.", True), _trace(1, 40, True, "The answer is 20.", True)]
+    split += [_trace(2, 40, True, "The answer is 18.", True)] + [_trace(i, 40, True) for i in range(3, 8)]
+    assert all(d.action is not Action.STOP for d in Confidence(every=8, window=8).check(CTX, split))
+    # the rest cannot overturn 5 equal answers: stopped even below the consensus share
+    lead = [_trace(i, 40, True, "The answer is 7.", True) for i in range(5)]
+    lead += [_trace(5, 40, True, "The answer is 9.", True), _trace(6, 40, True), _trace(7, 40, True)]
+    verdicts = Confidence(every=8, window=8, consensus=0.99).check(CTX, lead)
+    assert [d.action for d in verdicts[6:]] == [Action.STOP, Action.STOP]
+
+
+def test_confidence_prunes_the_least_confident_but_keeps_a_minimum() -> None:
+    traces = [_trace(0, 64, True), _trace(1, 64, False), _trace(2, 64, True), _trace(3, 64, False)]
+    verdicts = Confidence(every=16, window=16, prune_quantile=0.4, min_keep=2).check(CTX, traces)
+    assert [d.action for d in verdicts] == [Action.CONTINUE, Action.PRUNE, Action.CONTINUE, Action.PRUNE]
+    assert verdicts[1].score < verdicts[0].score
+    few = [_trace(0, 64, True), _trace(1, 64, False)]
+    assert all(d.action is Action.CONTINUE for d in Confidence(window=16, min_keep=2).check(CTX, few))
+    # an absolute threshold (calibrated offline) prunes a lone unsure trace too
+    lone = [_trace(0, 64, False), _trace(1, 64, True), _trace(2, 64, True)]
+    verdicts = Confidence(window=16, threshold=3.0, min_keep=1).check(CTX, lone)
+    assert verdicts[0].action is Action.PRUNE and verdicts[1].action is Action.CONTINUE

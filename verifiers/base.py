@@ -98,8 +98,13 @@ class Verifier:
         """Whether this trace should be checked now: finished, or `every` tokens since its last check
         (a speculative step can add several tokens at once, so not "at multiples of")."""
         if trace.finished:
-            return True
+            return not trace.state.get(("final", self.name), False)  # judged once when finished
         return self.every > 0 and trace.num_tokens - trace.state.get(("checked", self.name), 0) >= self.every
+
+    def mark_checked(self, trace: Trace) -> None:
+        trace.state[("checked", self.name)] = trace.num_tokens
+        if trace.finished:
+            trace.state[("final", self.name)] = True
 
 
 class TraceVerifier(Verifier):
@@ -109,7 +114,7 @@ class TraceVerifier(Verifier):
         verdicts = []
         for t in traces:
             if self.due(t):
-                t.state[("checked", self.name)] = t.num_tokens
+                self.mark_checked(t)
                 verdicts.append(self.check_trace(context, t))
             else:
                 verdicts.append(NOT_CHECKED)

@@ -45,14 +45,14 @@ class VerifierHook:
             trace.finished, trace.finish_reason = True, output.finish_reason.value
 
     def decide(self) -> Mapping[str, FinishReason]:
-        pending = [t for rid, t in self.traces.items() if rid not in self._ended and not _settled(t, self.final)]
-        if not pending:
+        live = [(rid, t) for rid, t in self.traces.items() if rid not in self._ended]
+        if all(t.finished and t.index in self.final for _, t in live):
             return {}
-        verdicts = self.verifier.check(self.context, pending)
+        # all of them: a vote needs the finished traces too; each verifier knows what it has judged
+        verdicts = self.verifier.check(self.context, [t for _, t in live])
         ends: dict[str, FinishReason] = {}
-        ids = {t.index: rid for rid, t in self.traces.items()}
-        for trace, verdict in zip(pending, verdicts, strict=True):
-            if verdict is NOT_CHECKED:
+        for (rid, trace), verdict in zip(live, verdicts, strict=True):
+            if verdict is NOT_CHECKED or (trace.finished and trace.index in self.final):
                 continue
             if trace.finished:
                 self.final[trace.index] = verdict
@@ -60,8 +60,8 @@ class VerifierHook:
                 continue
             self._record(trace, verdict)
             if not trace.finished:
-                ends[ids[trace.index]] = ENDS[verdict.action]
-                self._ended.add(ids[trace.index])
+                ends[rid] = ENDS[verdict.action]
+                self._ended.add(rid)
         return ends
 
     def _record(self, trace: Trace, verdict: Verdict) -> None:
@@ -71,8 +71,3 @@ class VerifierHook:
     def summary(self) -> list[dict[str, Any]]:
         with self._lock:
             return list(self.actions)
-
-
-def _settled(trace: Trace, final: Mapping[int, Verdict]) -> bool:
-    """A finished trace is judged once."""
-    return trace.finished and trace.index in final
