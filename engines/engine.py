@@ -7,12 +7,14 @@ outputs, registers newly full blocks in the prefix cache and frees the blocks of
 
 from __future__ import annotations
 
+import functools
 import itertools
 import statistics
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,6 +34,9 @@ from engines.sequence import Sequence
 from engines.spec_decode import accept
 from engines.speculator import SpeculativeConfig, Speculator
 from engines.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from engines.structured import GrammarCompiler
 
 
 class RequestRejected(ValueError):
@@ -227,6 +232,13 @@ class Engine:
             model, Tokenizer(model_dir), config, name=name, draft_model=draft, kv_budget=kv_budget, kv_tier=kv_tier
         )
 
+    @functools.cached_property
+    def grammars(self) -> GrammarCompiler:
+        """Structured-output grammars for this engine's tokenizer and vocabulary (built on first use)."""
+        from engines.structured import GrammarCompiler
+
+        return GrammarCompiler(self.tokenizer, self.model.config.vocab_size)
+
     def check(self, prompt_token_ids: list[int], max_tokens: int) -> None:
         """Raise `RequestRejected` if this prompt and token budget cannot be served."""
         check_context(prompt_token_ids, max_tokens, self.max_model_len)
@@ -305,6 +317,9 @@ class Engine:
             self.speculator.record_step(sum(len(c.token_ids) for c in chunks), time.perf_counter() - forward_started)
         plain = [i for i, c in enumerate(chunks) if c.num_logits and i not in drafts]
         rows = [0, *itertools.accumulate(c.num_logits for c in chunks)]  # each chunk's first logits row
+        for i in plain:
+            if (constraint := batch.seqs[i].constraint) is not None:
+                constraint.mask(logits[rows[i]])  # in place: only tokens the grammar allows can be drawn
         sampled = dict(
             zip(plain, sample(logits[[rows[i] for i in plain]], [batch.seqs[i].sampling for i in plain]), strict=True)
         )

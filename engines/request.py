@@ -5,9 +5,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from engines.sampling import SamplingParams
+
+if TYPE_CHECKING:  # xgrammar loads only for requests that use it
+    from engines.structured import Grammar
 
 
 class FinishReason(StrEnum):
@@ -55,6 +58,7 @@ class EngineRequest:
     priority: int = 0  # lower runs first; equal priorities are served first come, first served
     cache_salt: str = ""  # prefix-cache scope: requests share cached prefixes only with the same salt
     hook: GenerationHook | None = None  # verifiers looking at the generation as it runs
+    grammar: Grammar | None = None  # structured output: only tokens that keep it valid are sampled
 
 
 @dataclass(frozen=True)

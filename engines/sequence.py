@@ -9,11 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import TYPE_CHECKING
 
 from engines.block_manager import BlockTable
 from engines.detokenizer import IncrementalDetokenizer
 from engines.request import EngineRequest, FinishReason, RequestOutput, TokenLogprob
 from engines.sampling import SamplingState
+
+if TYPE_CHECKING:
+    from engines.structured import Constraint
 
 
 class Status(Enum):
@@ -38,10 +42,13 @@ class Sequence:
     cached_tokens: int = -1  # prompt tokens the prefix cache covered on first admission (-1: not yet)
     draft_proposed: int = 0
     draft_accepted: int = 0
+    constraint: Constraint | None = field(init=False, default=None)  # its grammar, if it has one
 
     def __post_init__(self) -> None:
         self.sampling = SamplingState(self.request.params)
         self.token_ids = list(self.request.prompt_token_ids)
+        grammar = self.request.grammar
+        self.constraint = grammar.constraint() if grammar is not None else None
 
     @property
     def request_id(self) -> str:
@@ -67,6 +74,8 @@ class Sequence:
         """Record a sampled token and decide whether the sequence is done."""
         self.token_ids.append(token_id)
         self.sampling.output_ids.append(token_id)
+        if self.constraint is not None:
+            self.constraint.accept(token_id)
         params = self.request.params
         if token_id in self.stop_ids:
             self.finish_reason = FinishReason.STOP  # the end token itself shows no text

@@ -60,7 +60,7 @@ class Speculator:
         eligible = [
             i
             for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new, strict=True))
-            if n == 1 and seq.num_uncomputed == 1 and speculates(seq.request.params)
+            if n == 1 and seq.num_uncomputed == 1 and speculates(seq.request.params) and seq.constraint is None
         ]
         if not eligible:
             return {}
