@@ -16,7 +16,7 @@ import textwrap
 
 from engines.quality import extract_answer, reference_answer
 from router_model.datasets import Item
-from router_model.sandbox import SandboxResult, run_python
+from verifiers.sandbox import SandboxResult, run_python
 
 _FENCE = re.compile(r"```([\w+.-]*)[^\n]*\n(.*?)(?:^[ \t]*```|\Z)", re.S | re.M)
 _PYTHON_TAGS = ("", "python", "python3", "py")

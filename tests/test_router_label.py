@@ -28,7 +28,7 @@ from router_model.graders import (
 )
 from router_model.label import label_items, tier_model
 from router_model.label_store import read_rows
-from router_model.sandbox import run_python
+from verifiers.sandbox import run_python
 
 PER_SOURCE, MAX_TOKENS = 2, 16
 

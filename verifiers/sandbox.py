@@ -1,16 +1,25 @@
-"""Run model-written Python in a limited subprocess: the HumanEval grader's way of executing answers.
+"""Run model-written Python in a limited subprocess: unit tests of code answers (HumanEval grading, the
+code verifier).
 
 Each program runs as `python -I` (no user site, no PYTHONPATH, not the caller's directory on the path)
 in a fresh temporary directory, with an empty environment, address-space, CPU-time, file-size and
 process limits, in its own process group, which is killed whole when the wall-clock timeout passes.
-It keeps a buggy or runaway answer from hurting the labeling run; it is not a jail for hostile code.
+Before the program runs, an audit hook (PEP 578: it cannot be removed) refuses:
+- writing, creating, deleting, renaming or changing files outside that directory;
+- sockets of any kind (and, where `unshare` can make one, the process has a network namespace of its
+  own with no interface up, so even a way around the hook finds no network);
+- starting processes (fork, exec, spawn, subprocess, os.system) and ctypes (a way around the hook).
+It is a strong fence for buggy and runaway answers and a reasonable one for hostile ones; it is not a
+kernel-enforced jail (seccomp, containers) and does not claim to be.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -36,8 +45,49 @@ for name, value in zip(("RLIMIT_AS", "RLIMIT_CPU", "RLIMIT_FSIZE", "RLIMIT_NPROC
     resource.setrlimit(limit, (value, value))
 del sys.argv[1:]
 os.environ.clear()
+HOME = os.path.realpath(os.getcwd())
+WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+PATH_EVENTS = {"os.remove": 1, "os.rename": 2, "os.mkdir": 1, "os.rmdir": 1, "os.chmod": 1, "os.chown": 1,
+               "os.symlink": 2, "os.link": 2, "os.truncate": 1, "os.utime": 1, "shutil.rmtree": 1,
+               "os.chdir": 0, "os.mkfifo": 1, "os.mknod": 1, "os.chflags": 1, "os.lchown": 1}
+REFUSED = ("socket.", "subprocess.", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
+           "os.forkpty", "os.kill", "os.killpg", "ctypes.", "_ctypes.", "os.startfile", "pty.spawn")
+
+def inside(path):
+    if isinstance(path, int):  # a descriptor it already holds
+        return True
+    return os.path.realpath(os.fsdecode(path)).startswith(HOME + os.sep)
+
+def fence(event, args):
+    if event == "open":
+        path, mode, flags = args
+        writes = (mode is not None and any(c in mode for c in "wax+")) or (flags or 0) & WRITE_FLAGS
+        if writes and path is not None and not inside(path):
+            raise PermissionError(f"sandbox: no writing outside the working directory ({path})")
+    elif event in PATH_EVENTS:
+        for path in args[: PATH_EVENTS[event]]:
+            if path is not None and not inside(path):
+                raise PermissionError(f"sandbox: {event} outside the working directory")
+    elif event.startswith(REFUSED):
+        raise PermissionError(f"sandbox: {event} is not allowed")
+
+sys.addaudithook(fence)
+del fence, resource
 runpy.run_path("program.py", run_name="program")
 """
+
+
+@functools.cache
+def _unshare() -> list[str]:
+    """`unshare -rn` (a user and network namespace: no network at all) where this machine allows it."""
+    tool = shutil.which("unshare")
+    if tool is None:
+        return []
+    try:
+        ok = subprocess.run([tool, "-rn", "true"], capture_output=True, timeout=5).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        ok = False
+    return [tool, "-rn"] if ok else []
 
 
 @dataclass(frozen=True)
@@ -61,7 +111,7 @@ def run_python(program: str, *, timeout: float = TIMEOUT_S, memory_bytes: int = 
         (work / "program.py").write_text(program)
         with (work / "stdout").open("w+b") as out, (work / "stderr").open("w+b") as err:
             proc = subprocess.Popen(
-                [sys.executable, "-I", "-c", _LAUNCHER, *map(str, limits)],
+                [*_unshare(), sys.executable, "-I", "-c", _LAUNCHER, *map(str, limits)],
                 cwd=work,
                 env={},
                 stdin=subprocess.DEVNULL,
