@@ -13,6 +13,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,6 +21,9 @@ from engines.engine import Engine, EngineStats
 from engines.protocol import EngineUnavailable  # raised by `open` when the loop is stopped or has died
 from engines.request import EngineRequest, FinishReason, RequestOutput
 from engines.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from engines.structured import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +52,10 @@ class AsyncEngine:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        return self.engine.grammars
 
     def check(self, prompt_token_ids: list[int], max_tokens: int) -> None:
         """Raise `RequestRejected` now, before streaming starts, if the request cannot be served.

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from engines.request import EngineRequest, RequestOutput
 from engines.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from engines.structured import GrammarCompiler
 
 
 class EngineUnavailable(RuntimeError):
@@ -41,6 +44,10 @@ class TierEngine(Protocol):
 
     @property
     def alive(self) -> bool: ...
+
+    @property
+    def grammars(self) -> GrammarCompiler | None:
+        """Structured-output grammars for this engine's vocabulary; None if it cannot constrain its output."""
 
     def check(self, prompt_token_ids: list[int], max_tokens: int) -> None:
         """Raise `RequestRejected` if the request cannot be served as asked."""

@@ -147,6 +147,10 @@ class RemoteEngine:
         return self._tokenizer
 
     @property
+    def grammars(self) -> None:
+        return None  # token masks need the sampler: a remote tier serves no structured output (yet)
+
+    @property
     def max_model_len(self) -> int:
         return self._max_model_len
 

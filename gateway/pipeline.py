@@ -15,6 +15,7 @@ routes stay thin translators between HTTP and this module.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -28,6 +29,7 @@ from engines.engine import RequestRejected
 from engines.protocol import EngineUnavailable, OutputStream, TierEngine
 from engines.request import EngineRequest, FinishReason, RequestOutput
 from engines.sampling import SamplingParams
+from engines.structured import Grammar, GrammarError
 from engines.tokenizer import ChatTemplateError, Tokenizer
 from gateway.cache_stage import BYPASS, CacheDecision, CacheStage, cache_mode
 from gateway.errors import APIError, invalid
@@ -36,10 +38,12 @@ from gateway.metrics import Metrics
 from gateway.prompt_log import log_exchange
 from gateway.routing import RouteDecision, RoutingStage
 from gateway.schemas import (
+    MAX_SCHEMA_CHARS,
     UNSUPPORTED_CHAT,
     UNSUPPORTED_COMPLETION,
     ChatCompletionRequest,
     CompletionRequest,
+    ResponseFormat,
     Usage,
 )
 from gateway.settings import Settings
@@ -422,9 +426,10 @@ class Pipeline:
         except ChatTemplateError as exc:
             raise invalid(str(exc), param="messages") from None
         max_tokens = body.max_completion_tokens or body.max_tokens
+        grammar = await _grammar(engine, body.response_format)
         return await self._generation(
             "chat.completions", "chatcmpl", principal, policy, body, engine, [prompt], max_tokens,
-            messages, cache_header, route, [messages],
+            messages, cache_header, route, [messages], grammar,
         )  # fmt: skip
 
     async def start_completion(
@@ -459,6 +464,7 @@ class Pipeline:
         cache_header: str | None,
         route: RouteDecision | None,
         conversations: list[Any],
+        grammar: Grammar | None = None,
     ) -> Generation:
         tier = route.tier if route is not None else body.model  # the answer's tier: the cache keys on it
         if route is not None and self.metrics is not None:
@@ -474,11 +480,14 @@ class Pipeline:
             params, wanted = self._params(body, engine, prompt, max_tokens, policy.policy)
             for j in range(body.n):
                 seeded = params if params.seed is None else replace(params, seed=params.seed + j)
-                requests.append(EngineRequest(f"{request_id}-{p * body.n + j}", prompt, seeded, cache_salt=salt))
+                rid = f"{request_id}-{p * body.n + j}"
+                requests.append(EngineRequest(rid, prompt, seeded, cache_salt=salt, grammar=grammar))
                 asked.append(wanted)
         prompt_tokens = sum(len(p) for p in prompts)
         completion_max = sum(r.params.max_tokens for r in requests)
         candidates = self.candidates(tier, policy.policy, requests)
+        if grammar is not None:  # compiled for this engine's vocabulary: no other tier can take it
+            candidates = [c for c in candidates if c.engine is engine]
         if not candidates:
             raise _unavailable(body.model)
         cache = BYPASS
@@ -591,7 +600,15 @@ def _answer_params(body: ChatCompletionRequest | CompletionRequest, params: Samp
         "presence_penalty": params.presence_penalty,
         "frequency_penalty": params.frequency_penalty,
         **{k: extra[k] for k in _ANSWER_FIELDS if extra.get(k) is not None},
+        **_response_format_key(body),
     }
+
+
+def _response_format_key(body: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
+    fmt = getattr(body, "response_format", None)
+    if fmt is None or fmt.type == "text":
+        return {}
+    return {"response_format": fmt.model_dump(by_alias=True, exclude_none=True)}
 
 
 def model_not_found(model: str) -> APIError:
@@ -644,6 +661,32 @@ async def _tokenize(chars: int, fn: Callable[..., T], *args: Any) -> T:
     if chars < INLINE_TOKENIZE_CHARS:
         return fn(*args)
     return await anyio.to_thread.run_sync(fn, *args)
+
+
+async def _grammar(engine: TierEngine, fmt: ResponseFormat | None) -> Grammar | None:
+    """The token grammar a `response_format` asks for (compiled off the event loop), or None for text."""
+    if fmt is None or fmt.type == "text":
+        return None
+    compiler = await anyio.to_thread.run_sync(lambda: engine.grammars)  # built on first use: ~0.1-1 s
+    if compiler is None:
+        raise invalid(
+            f"Tier `{engine.name}` cannot constrain its output; `response_format` needs an in-process tier.",
+            param="response_format",
+            code="unsupported_parameter",
+        )
+    try:
+        if fmt.type == "json_object":
+            return await anyio.to_thread.run_sync(compiler.any_json)
+        if fmt.type == "json_schema":
+            assert fmt.json_schema is not None
+            schema = fmt.json_schema.schema_
+            if len(json.dumps(schema)) > MAX_SCHEMA_CHARS:
+                raise GrammarError(f"the schema is longer than {MAX_SCHEMA_CHARS} characters as JSON")
+            return await anyio.to_thread.run_sync(compiler.json_schema, schema)
+        assert fmt.regex is not None
+        return await anyio.to_thread.run_sync(compiler.regex, fmt.regex)
+    except GrammarError as exc:
+        raise invalid(str(exc), param="response_format") from None
 
 
 def _prompt_conversations(prompt: str | list[str] | list[int] | list[list[int]]) -> list[Any]:

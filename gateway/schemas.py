@@ -9,9 +9,9 @@ field, as the OpenAPI document says, rather than a guess at what the client mean
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 # Fields clients may send that we do not serve yet; setting one to a non-default value is a 400.
 UNSUPPORTED_CHAT = (
@@ -19,7 +19,6 @@ UNSUPPORTED_CHAT = (
     "tool_choice",
     "functions",
     "function_call",
-    "response_format",
     "logit_bias",
     "logprobs",
     "top_logprobs",
@@ -108,9 +107,41 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+MAX_SCHEMA_CHARS = 65_536  # a response schema's JSON, at most: it is compiled while the client waits
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
+
+    name: Text = Field("response", min_length=1, max_length=64)
+    description: Text | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None  # always strict here: the output is constrained to the schema
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `text`, `json_object` and `json_schema`, plus `regex` (an extension: `{"type": "regex",
+    "regex": "..."}`, the whole answer matches it)."""
+
+    model_config = ConfigDict(strict=True)
+
+    type: Literal["text", "json_object", "json_schema", "regex"]
+    json_schema: JsonSchemaFormat | None = None
+    regex: Text | None = Field(None, min_length=1, max_length=4096)
+
+    @model_validator(mode="after")
+    def _complete(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("`json_schema` is required when type is json_schema")
+        if self.type == "regex" and self.regex is None:
+            raise ValueError("`regex` is required when type is regex")
+        return self
+
+
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_ITEMS)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    response_format: ResponseFormat | None = None
 
 
 Prompt = (

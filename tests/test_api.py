@@ -374,3 +374,51 @@ def test_engine_stats_need_an_admin_key(live_server: LiveServer, key: str) -> No
     small = stats.json()["small"]
     assert small["alive"] is True and small["kv_blocks_total"] > 0 and small["block_size"] == 16
     assert {"waiting", "running", "kv_utilization", "prefix_hit_rate", "step_ms_p50", "preemptions"} <= small.keys()
+
+
+def test_response_format_json_schema_and_regex(live_server: LiveServer, client: openai.OpenAI) -> None:
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 30}, "country": {"type": "string", "maxLength": 30}},
+        "required": ["city", "country"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": schema, "strict": True}}
+    asked = [{"role": "user", "content": "Name the capital of France and its country, as JSON."}]
+    r = client.chat.completions.create(model="small", messages=asked, temperature=0, response_format=fmt)
+    answer = json.loads(r.choices[0].message.content)
+    jsonschema.validate(answer, schema)
+    assert r.choices[0].finish_reason == "stop"
+    streamed = client.chat.completions.create(
+        model="small", messages=asked, temperature=0.8, seed=3, response_format=fmt, stream=True
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    jsonschema.validate(json.loads(text), schema)
+    any_json = client.chat.completions.create(
+        model="small", messages=asked, temperature=0, response_format={"type": "json_object"}, max_tokens=200
+    )
+    assert isinstance(json.loads(any_json.choices[0].message.content), dict)
+    pattern = {"type": "regex", "regex": "(Paris|Lyon|Nice)"}
+    r = client.chat.completions.create(
+        model="small", messages=asked, temperature=0, extra_body={"response_format": pattern}
+    )
+    assert r.choices[0].message.content in ("Paris", "Lyon", "Nice")
+    # the cache keys on the format: the same question as plain text is another answer
+    plain = client.chat.completions.create(model="small", messages=asked, temperature=0)
+    assert plain.choices[0].message.content != r.choices[0].message.content
+
+
+def test_bad_response_formats_are_4xx_naming_the_field(client: openai.OpenAI) -> None:
+    # what the grammar compiler refuses is a 400; what the request's shape gets wrong a 422 (as for any field)
+    for fmt, status, fragment in (
+        ({"type": "regex", "regex": "(unclosed"}, 400, "regex"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}, 400, "schema"),
+        ({"type": "json_schema"}, 422, "json_schema"),
+        ({"type": "xml"}, 422, "type"),
+    ):
+        with pytest.raises(openai.APIStatusError) as err:
+            client.chat.completions.create(model="small", messages=MESSAGES, extra_body={"response_format": fmt})
+        assert err.value.status_code == status, (fmt, err.value)
+        assert "response_format" in json.dumps(err.value.body) and fragment in json.dumps(err.value.body)
