@@ -52,6 +52,9 @@ from policies.budgets import Budgets, Reservation
 from policies.policy import Policy
 from policies.pricing import Tokens, charge, worst_case
 from policies.store import PolicyStore, Versioned
+from verifiers.base import Context
+from verifiers.hook import VerifierHook
+from verifiers.policy import build_verifier
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,7 @@ class Generation:
     route: RouteDecision | None = None  # set when the router chose the tier
     routing: RoutingStage | None = None
     conversations: list[Any] = field(default_factory=list)  # what the router decided on
+    hooks: list[VerifierHook] = field(default_factory=list)  # the policy's verifiers, one per prompt
     created: int = field(default_factory=lambda: int(time.time()))
     completion_tokens: int = 0
     status: str = "pending"
@@ -111,6 +115,12 @@ class Generation:
     @property
     def num_choices(self) -> int:
         return len(self.requests)
+
+    @property
+    def verifier_actions(self) -> list[dict[str, Any]]:
+        """What the verifiers did, choices numbered as in the response."""
+        per_prompt = self._choices_per_prompt
+        return [{**a, "choice": p * per_prompt + a["choice"]} for p, h in enumerate(self.hooks) for a in h.summary()]
 
     @property
     def wanted_tier(self) -> str:
@@ -252,12 +262,14 @@ class Generation:
         for r, o, asked, reason in zip(self.requests, outs, self.requested_max, reasons, strict=True):
             if o is not None and reason == "length" and asked > r.params.max_tokens == o.completion_tokens:
                 cut += asked - r.params.max_tokens
+        caps = {r.request_id: r.params.max_tokens for r in self.requests}
         tokens = Tokens(
             prompt=self.prompt_tokens,
             completion=self.completion_tokens,
             cached_prompt=cached,
             draft_accepted=sum(o.draft_accepted for o in outs if o),
             policy_cut=cut,
+            verifier_cut=sum(h.tokens_saved(caps) for h in self.hooks),
             cache_hit=self.cache.answer is not None,
         )
         price = charge(self.policy.policy, self.tier, tokens)
@@ -281,6 +293,7 @@ class Generation:
             requested_max_tokens=self.requested_max_tokens,
             effective_max_tokens=self.requests[0].params.max_tokens,
             policy_version=self.policy.version,
+            verifier_actions=self.verifier_actions,
             cache_status=self.cache.status,
             route="direct" if self.route is None else "auto",
             cost=price.cost,
@@ -475,13 +488,18 @@ class Pipeline:
         # Cached prompt prefixes are shared within a tenant only, unless configured otherwise: a
         # faster first token would tell one tenant what another tenant's prompts begin with.
         salt = f"tenant:{principal.tenant_id}" if self.settings.prefix_cache_scope == "tenant" else ""
-        requests, asked = [], []
+        requests, asked, hooks = [], [], []
+        verifier = build_verifier(policy.policy.verifiers, body.n) if policy.policy.verifiers.enabled else None
         for p, prompt in enumerate(prompts):
             params, wanted = self._params(body, engine, prompt, max_tokens, policy.policy)
-            for j in range(body.n):
+            ids = [f"{request_id}-{p * body.n + j}" for j in range(body.n)]
+            hook = None
+            if verifier is not None:  # one per prompt: its n choices are judged (and voted) together
+                hook = VerifierHook(verifier, Context(prompt=_prompt_text(body, p)), ids)
+                hooks.append(hook)
+            for j, rid in enumerate(ids):
                 seeded = params if params.seed is None else replace(params, seed=params.seed + j)
-                rid = f"{request_id}-{p * body.n + j}"
-                requests.append(EngineRequest(rid, prompt, seeded, cache_salt=salt, grammar=grammar))
+                requests.append(EngineRequest(rid, prompt, seeded, cache_salt=salt, grammar=grammar, hook=hook))
                 asked.append(wanted)
         prompt_tokens = sum(len(p) for p in prompts)
         completion_max = sum(r.params.max_tokens for r in requests)
@@ -537,6 +555,7 @@ class Pipeline:
             route=route,
             routing=self.routing,
             conversations=conversations,
+            hooks=hooks,
         )
 
     def _params(
@@ -661,6 +680,15 @@ async def _tokenize(chars: int, fn: Callable[..., T], *args: Any) -> T:
     if chars < INLINE_TOKENIZE_CHARS:
         return fn(*args)
     return await anyio.to_thread.run_sync(fn, *args)
+
+
+def _prompt_text(body: ChatCompletionRequest | CompletionRequest, index: int) -> str:
+    """What verifiers read as the question: the last user turn, or prompt `index` when it is text."""
+    if isinstance(body, ChatCompletionRequest):
+        return next((m.text() for m in reversed(body.messages) if m.role == "user"), "")
+    prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+    text = prompts[index] if index < len(prompts) else ""
+    return text if isinstance(text, str) else ""
 
 
 async def _grammar(engine: TierEngine, fmt: ResponseFormat | None) -> Grammar | None:

@@ -102,9 +102,29 @@ class CacheSettings(_Strict):
     )
 
 
+class DegenerationSettings(_Strict):
+    min_repeats: int = Field(4, ge=2, description="periods a loop must repeat to be stopped")
+    min_tokens: int = Field(32, ge=4, description="tokens a loop must cover to be stopped")
+    max_items: int = Field(60, ge=1, description="list items before a list counts as runaway")
+
+
+class ConfidenceSettings(_Strict):
+    window: int = Field(64, ge=4, description="tokens per group confidence")
+    threshold: float | None = Field(None, ge=0.0, description="prune below this group confidence (calibrated)")
+    prune_quantile: float = Field(0.25, ge=0.0, le=1.0, description="without a threshold: prune this lowest share")
+    min_keep: int = Field(2, ge=1, description="choices never pruned below this many")
+    consensus: float = Field(0.95, gt=0.5, le=1.0, description="vote share that stops the rest")
+    min_votes: int = Field(3, ge=1)
+
+
 class VerifierSettings(_Strict):
-    enabled: list[str] = Field(default_factory=list)
+    enabled: list[Literal["degeneration", "confidence"]] = Field(
+        default_factory=list, description="in-flight verifiers, combined with `combine`"
+    )
+    combine: Literal["any", "all"] = "any"
     every_n_tokens: int = Field(16, ge=1)
+    degeneration: DegenerationSettings = Field(default_factory=DegenerationSettings)
+    confidence: ConfidenceSettings = Field(default_factory=ConfidenceSettings)
     cascade: bool = False  # escalate a failed small-tier answer to the large tier
 
 

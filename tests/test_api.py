@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -422,3 +424,41 @@ def test_bad_response_formats_are_4xx_naming_the_field(client: openai.OpenAI) ->
             client.chat.completions.create(model="small", messages=MESSAGES, extra_body={"response_format": fmt})
         assert err.value.status_code == status, (fmt, err.value)
         assert "response_format" in json.dumps(err.value.body) and fragment in json.dumps(err.value.body)
+
+
+def test_policy_verifiers_stop_a_loop_and_report_it(live_server: LiveServer) -> None:
+    from gateway.tenants import create_key, create_tenant
+
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    admin = create_tenant(live_server.db, name, role="admin").key
+    policy = {"verifiers": {"enabled": ["degeneration"], "every_n_tokens": 8, "degeneration": {"min_tokens": 24}}}
+    r = httpx.put(
+        f"{live_server.base_url}/v1/admin/tenants/{name}/policy",
+        json=policy,
+        headers={"Authorization": f"Bearer {admin}"},
+    )
+    assert r.status_code == 200, r.text
+    key = create_key(live_server.db, name, "app").key
+    loop = {"model": "small", "prompt": "the the the the the the the the the the", "temperature": 0, "max_tokens": 200}
+    r = httpx.post(
+        f"{live_server.base_url}/v1/completions",
+        json={**loop, "cache": "no-store"},
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["finish_reason"] == "stop" and body["usage"]["completion_tokens"] < 64
+    assert re.fullmatch(r"0:degeneration:stop@\d+", r.headers["x-switchboard-verifiers"]), r.headers
+    (row,) = live_server.wait_for_usage(body["id"])
+    assert row.verifier_actions[0]["verifier"] == "degeneration" and row.verifier_actions[0]["action"] == "stop"
+    assert row.saved_verifier > 0 and row.counterfactual_cost > row.cost
+    # without the policy the same request runs to its cap
+    plain_key = live_server.new_key()
+    r = httpx.post(
+        f"{live_server.base_url}/v1/completions",
+        json={**loop, "cache": "no-store"},
+        headers={"Authorization": f"Bearer {plain_key}"},
+        timeout=120,
+    )
+    assert r.json()["usage"]["completion_tokens"] == 200 and "x-switchboard-verifiers" not in r.headers

@@ -27,7 +27,7 @@ class VerifierHook:
         self.traces = {rid: Trace(i) for i, rid in enumerate(request_ids)}
         self.final: dict[int, Verdict] = {}  # choice index → the verdict on its finished trace
         self.actions: list[dict[str, Any]] = []  # non-continue verdicts, each choice's first of each kind
-        self._ended: set[str] = set()
+        self._ended: dict[str, Verdict] = {}  # choices the hook ended, with the verdict that did
         self._lock = threading.Lock()  # the engine thread writes, the gateway reads `actions` at the end
 
     @property
@@ -61,12 +61,27 @@ class VerifierHook:
             self._record(trace, verdict)
             if not trace.finished:
                 ends[rid] = ENDS[verdict.action]
-                self._ended.add(rid)
+                self._ended[rid] = verdict
         return ends
 
     def _record(self, trace: Trace, verdict: Verdict) -> None:
         with self._lock:
             self.actions.append({"choice": trace.index, "tokens": trace.num_tokens, **verdict.as_dict()})
+
+    def tokens_saved(self, max_tokens: Mapping[str, int]) -> int:
+        """An estimate of the completion tokens the ended choices did not generate: a loop runs to its cap
+        (`max_tokens` by request id); another ended choice, to the mean length of the choices that finished
+        (nothing if none did)."""
+        finished = [t.num_tokens for rid, t in self.traces.items() if t.finished and rid not in self._ended]
+        typical = sum(finished) / len(finished) if finished else 0.0
+        saved = 0.0
+        for rid, verdict in self._ended.items():
+            trace = self.traces[rid]
+            if verdict.verifier == "degeneration":
+                saved += max(0, max_tokens.get(rid, trace.num_tokens) - trace.num_tokens)
+            else:
+                saved += max(0.0, typical - trace.num_tokens)
+        return round(saved)
 
     def summary(self) -> list[dict[str, Any]]:
         with self._lock:

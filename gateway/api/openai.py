@@ -53,6 +53,13 @@ def _generation_responses(chunk: str) -> dict[int | str, dict[str, Any]]:
 CACHE_CONTROL = "x-switchboard-cache-control"  # no-cache | no-store, like the body's `cache` field
 TIER_HEADER = "x-switchboard-tier"  # the tier that served: the requested one (or the router's), or its fallback
 ROUTE_P_HEADER = "x-switchboard-route-p-small"  # routed requests: the router's P(small is good enough)
+# Non-streamed responses whose policy runs verifiers: what they did, `choice:verifier:action@tokens`
+# comma-separated, or `none`; the usage record holds the same with scores and reasons (streams too).
+VERIFIERS_HEADER = "x-switchboard-verifiers"
+
+
+def verifiers_header(actions: list[dict]) -> str:
+    return ",".join(f"{a['choice']}:{a['verifier']}:{a['action']}@{a['tokens']}" for a in actions) or "none"
 
 
 def _pipeline(request: Request) -> Pipeline:
@@ -129,6 +136,8 @@ async def _respond(
     finally:
         await gen.abandon()  # a no-op once it ran
     headers[TIER_HEADER] = gen.tier
+    if gen.hooks:
+        headers[VERIFIERS_HEADER] = verifiers_header(gen.verifier_actions)
     body_json = result(texts, reasons).model_dump_json()
     # after_response runs once the body is sent (Starlette's background task), never on the request's path
     return Response(
