@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engines.request import TokenLogprob
+from verifiers.answers import CodeTests, MathAnswer, Structure
 from verifiers.base import NOT_CHECKED, Action, Context, Trace, TraceVerifier, Verdict
 from verifiers.compose import all_of, any_of, weighted
 from verifiers.confidence import Confidence, token_confidence
@@ -133,3 +134,37 @@ def test_confidence_prunes_the_least_confident_but_keeps_a_minimum() -> None:
     lone = [_trace(0, 64, False), _trace(1, 64, True), _trace(2, 64, True)]
     verdicts = Confidence(window=16, threshold=3.0, min_keep=1).check(CTX, lone)
     assert verdicts[0].action is Action.PRUNE and verdicts[1].action is Action.CONTINUE
+
+
+def test_answer_checks_escalate_what_fails() -> None:
+    math = MathAnswer()
+    assert math.check(CTX, [done(text="So the total is 18.")])[0].action is Action.CONTINUE
+    assert math.check(CTX, [done(text="I cannot tell.")])[0].action is Action.ESCALATE
+    graded = Context(prompt="q", reference="She pays 3 + 15 = 18.\n#### 18")
+    assert math.check(graded, [done(text="The answer is 18.00")])[0].action is Action.CONTINUE
+    assert math.check(graded, [done(text="The answer is 17.")])[0].action is Action.ESCALATE
+
+    tests = "assert add(2, 3) == 5\nassert add(-1, 1) == 0\n"
+    code = CodeTests(timeout=5)
+    right = "Here you go:\n```python\ndef add(a, b):\n    return a + b\n```\n"
+    wrong = "```python\ndef add(a, b):\n    return a - b\n```"
+    assert code.check(Context(tests=tests), [done(text=right)])[0].action is Action.CONTINUE
+    failed = code.check(Context(tests=tests), [done(text=wrong)])[0]
+    assert failed.action is Action.ESCALATE and "AssertionError" in failed.reason
+    hostile = (
+        "```python\nimport socket\nsocket.create_connection(('127.0.0.1', 6379))\ndef add(a, b):\n    return a + b\n```"
+    )
+    assert code.check(Context(tests=tests), [done(text=hostile)])[0].action is Action.ESCALATE  # the sandbox said no
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    as_schema = Context(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    structure = Structure()
+    assert structure.check(as_schema, [done(text='{"n": 3}')])[0].action is Action.CONTINUE
+    assert structure.check(as_schema, [done(text='{"n": "three"}')])[0].action is Action.ESCALATE
+    assert structure.check(as_schema, [done(text='{"n": 3')])[0].action is Action.ESCALATE  # cut off
+    as_object = Context(response_format={"type": "json_object"})
+    assert structure.check(as_object, [done(text="[1, 2]")])[0].action is Action.ESCALATE
+    as_regex = Context(response_format={"type": "regex", "regex": "(yes|no)"})
+    assert structure.check(as_regex, [done(text="yes")])[0].action is Action.CONTINUE
+    assert structure.check(as_regex, [done(text="yes!")])[0].action is Action.ESCALATE
+    assert structure.check(CTX, [done(text="anything")])[0].action is Action.CONTINUE
