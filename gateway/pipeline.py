@@ -50,11 +50,11 @@ from gateway.settings import Settings
 from gateway.tenants import Principal
 from policies.budgets import Budgets, Reservation
 from policies.policy import Policy
-from policies.pricing import Tokens, charge, worst_case
+from policies.pricing import Charge, Tokens, charge, worst_case
 from policies.store import PolicyStore, Versioned
 from verifiers.base import Context
 from verifiers.hook import VerifierHook
-from verifiers.policy import build_verifier
+from verifiers.policy import build_verifiers
 
 
 @dataclass(frozen=True)
@@ -100,6 +100,9 @@ class Generation:
     routing: RoutingStage | None = None
     conversations: list[Any] = field(default_factory=list)  # what the router decided on
     hooks: list[VerifierHook] = field(default_factory=list)  # the policy's verifiers, one per prompt
+    cascade_to: str | None = None  # the tier a failed answer is retried on (the policy's cascade)
+    escalation: str | None = None  # set once an answer failed: the caller retries it on this tier
+    escalated_from: str | None = None  # this generation retries that request's failed answer
     created: int = field(default_factory=lambda: int(time.time()))
     completion_tokens: int = 0
     status: str = "pending"
@@ -228,6 +231,11 @@ class Generation:
         stream = self._stream
         assert stream is not None
         await stream.aclose()
+        if self.status == "ok":  # final answer checks: tests can take seconds, so off the event loop
+            for hook in self.hooks:
+                await anyio.to_thread.run_sync(hook.run_checks)
+            if self.cascade_to is not None and any(h.failed for h in self.hooks):
+                self.escalation, self.status = self.cascade_to, "escalated"
         self.completion_tokens = sum(o.completion_tokens for o in stream.last.values())
         await self._account(stream.last, reasons, time.perf_counter() - started)
 
@@ -273,6 +281,8 @@ class Generation:
             cache_hit=self.cache.answer is not None,
         )
         price = charge(self.policy.policy, self.tier, tokens)
+        if self.status == "escalated":  # the retry's row holds the always-large counterfactual: this one only costs
+            price = Charge(cost=price.cost, counterfactual=Decimal(0))
         self.finish_reasons = list(reasons)
         self.choice_tokens = [o.completion_tokens if o else 0 for o in outs]
         rec = UsageRecord(
@@ -424,10 +434,14 @@ class Pipeline:
         return out
 
     async def start_chat(
-        self, principal: Principal, body: ChatCompletionRequest, cache_header: str | None = None
+        self,
+        principal: Principal,
+        body: ChatCompletionRequest,
+        cache_header: str | None = None,
+        escalated_from: str | None = None,
     ) -> Generation:
         policy = await self.policy(principal)
-        routed = self.routing.wants(body.model, policy.policy)
+        routed = escalated_from is None and self.routing.wants(body.model, policy.policy)
         if not routed:
             self.engine(body.model, policy.policy)  # an unknown or forbidden tier is refused before anything else
         _reject_unsupported(body, UNSUPPORTED_CHAT)
@@ -442,14 +456,18 @@ class Pipeline:
         grammar = await _grammar(engine, body.response_format)
         return await self._generation(
             "chat.completions", "chatcmpl", principal, policy, body, engine, [prompt], max_tokens,
-            messages, cache_header, route, [messages], grammar,
+            messages, cache_header, route, [messages], grammar, escalated_from,
         )  # fmt: skip
 
     async def start_completion(
-        self, principal: Principal, body: CompletionRequest, cache_header: str | None = None
+        self,
+        principal: Principal,
+        body: CompletionRequest,
+        cache_header: str | None = None,
+        escalated_from: str | None = None,
     ) -> Generation:
         policy = await self.policy(principal)
-        routed = self.routing.wants(body.model, policy.policy)
+        routed = escalated_from is None and self.routing.wants(body.model, policy.policy)
         if not routed:
             self.engine(body.model, policy.policy)
         _reject_unsupported(body, UNSUPPORTED_COMPLETION)
@@ -460,7 +478,7 @@ class Pipeline:
         prompts = await _tokenize(size, _completion_prompts, body.prompt, engine.tokenizer)
         return await self._generation(
             "completions", "cmpl", principal, policy, body, engine, prompts, body.max_tokens, body.prompt,
-            cache_header, route, conversations,
+            cache_header, route, conversations, None, escalated_from,
         )  # fmt: skip
 
     async def _generation(
@@ -478,6 +496,7 @@ class Pipeline:
         route: RouteDecision | None,
         conversations: list[Any],
         grammar: Grammar | None = None,
+        escalated_from: str | None = None,
     ) -> Generation:
         tier = route.tier if route is not None else body.model  # the answer's tier: the cache keys on it
         if route is not None and self.metrics is not None:
@@ -489,13 +508,14 @@ class Pipeline:
         # faster first token would tell one tenant what another tenant's prompts begin with.
         salt = f"tenant:{principal.tenant_id}" if self.settings.prefix_cache_scope == "tenant" else ""
         requests, asked, hooks = [], [], []
-        verifier = build_verifier(policy.policy.verifiers, body.n) if policy.policy.verifiers.enabled else None
+        settings = policy.policy.verifiers
+        verifier, checks = build_verifiers(settings, body.n) if settings.enabled or settings.checks else (None, None)
         for p, prompt in enumerate(prompts):
             params, wanted = self._params(body, engine, prompt, max_tokens, policy.policy)
             ids = [f"{request_id}-{p * body.n + j}" for j in range(body.n)]
             hook = None
-            if verifier is not None:  # one per prompt: its n choices are judged (and voted) together
-                hook = VerifierHook(verifier, Context(prompt=_prompt_text(body, p)), ids)
+            if verifier is not None or checks is not None:  # one per prompt: its choices are judged together
+                hook = VerifierHook(verifier, _verifier_context(body, p), ids, checks)
                 hooks.append(hook)
             for j, rid in enumerate(ids):
                 seeded = params if params.seed is None else replace(params, seed=params.seed + j)
@@ -556,7 +576,35 @@ class Pipeline:
             routing=self.routing,
             conversations=conversations,
             hooks=hooks,
+            cascade_to=self._cascade_target(body, policy.policy, tier, hooks, escalated_from),
+            escalated_from=escalated_from,
         )
+
+    def _cascade_target(
+        self,
+        body: ChatCompletionRequest | CompletionRequest,
+        policy: Policy,
+        tier: str,
+        hooks: list[VerifierHook],
+        escalated_from: str | None,
+    ) -> str | None:
+        """The tier a failed answer goes to: the policy's cascade target, when it is another tier that the
+        policy allows and that is up. Not for streams (what was streamed cannot be taken back) and not
+        twice."""
+        target = policy.verifiers.cascade_to
+        if not policy.verifiers.cascade or not hooks or body.stream or escalated_from is not None or tier == target:
+            return None
+        engine = self.engines.get(target)
+        return target if engine is not None and engine.alive and policy.allows(target) else None
+
+    async def escalate(self, gen: Generation, body: ChatCompletionRequest | CompletionRequest) -> Generation:
+        """A new generation of `body` on the tier `gen`'s failed answer escalates to (its own reservation and
+        ledger row; not routed and not escalated again; the client's cache settings apply)."""
+        assert gen.escalation is not None
+        retry = body.model_copy(update={"model": gen.escalation})
+        if isinstance(retry, ChatCompletionRequest):
+            return await self.start_chat(gen.principal, retry, escalated_from=gen.request_id)
+        return await self.start_completion(gen.principal, retry, escalated_from=gen.request_id)
 
     def _params(
         self,
@@ -680,6 +728,17 @@ async def _tokenize(chars: int, fn: Callable[..., T], *args: Any) -> T:
     if chars < INLINE_TOKENIZE_CHARS:
         return fn(*args)
     return await anyio.to_thread.run_sync(fn, *args)
+
+
+def _verifier_context(body: ChatCompletionRequest | CompletionRequest, index: int) -> Context:
+    extra = body.model_extra or {}
+    fmt = getattr(body, "response_format", None)
+    tests = extra.get("tests")  # extension: code that checks a code answer (the `code` check runs it)
+    return Context(
+        prompt=_prompt_text(body, index),
+        response_format=fmt.model_dump(by_alias=True, exclude_none=True) if fmt is not None else None,
+        tests=tests if isinstance(tests, str) else None,
+    )
 
 
 def _prompt_text(body: ChatCompletionRequest | CompletionRequest, index: int) -> str:

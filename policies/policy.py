@@ -125,7 +125,11 @@ class VerifierSettings(_Strict):
     every_n_tokens: int = Field(16, ge=1)
     degeneration: DegenerationSettings = Field(default_factory=DegenerationSettings)
     confidence: ConfidenceSettings = Field(default_factory=ConfidenceSettings)
-    cascade: bool = False  # escalate a failed small-tier answer to the large tier
+    checks: list[Literal["math", "code", "structure"]] = Field(
+        default_factory=list, description="final answer checks: a failed one escalates (see `cascade`)"
+    )
+    cascade: bool = Field(False, description="retry an answer that failed a check (or looped) on `cascade_to`")
+    cascade_to: str = Field("large", min_length=1, max_length=32)
 
 
 class LoggingSettings(_Strict):

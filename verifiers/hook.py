@@ -21,18 +21,23 @@ ENDS = {Action.STOP: FinishReason.STOP, Action.PRUNE: FinishReason.PRUNED, Actio
 
 
 class VerifierHook:
-    def __init__(self, verifier: Verifier, context: Context, request_ids: Sequence[str]) -> None:
+    def __init__(
+        self, verifier: Verifier | None, context: Context, request_ids: Sequence[str], checks: Verifier | None = None
+    ) -> None:
+        """`verifier`: in-flight (the engine's step loop); `checks`: final, run by `run_checks` off that loop."""
         self.verifier = verifier
+        self.checks = checks
         self.context = context
         self.traces = {rid: Trace(i) for i, rid in enumerate(request_ids)}
         self.final: dict[int, Verdict] = {}  # choice index → the verdict on its finished trace
         self.actions: list[dict[str, Any]] = []  # non-continue verdicts, each choice's first of each kind
+        self._failed_checks = 0
         self._ended: dict[str, Verdict] = {}  # choices the hook ended, with the verdict that did
         self._lock = threading.Lock()  # the engine thread writes, the gateway reads `actions` at the end
 
     @property
     def top_logprobs(self) -> int:
-        return self.verifier.top_logprobs
+        return self.verifier.top_logprobs if self.verifier is not None else 0
 
     def observe(self, output: RequestOutput) -> None:
         trace = self.traces.get(output.request_id)
@@ -45,6 +50,8 @@ class VerifierHook:
             trace.finished, trace.finish_reason = True, output.finish_reason.value
 
     def decide(self) -> Mapping[str, FinishReason]:
+        if self.verifier is None:
+            return {}
         live = [(rid, t) for rid, t in self.traces.items() if rid not in self._ended]
         if all(t.finished and t.index in self.final for _, t in live):
             return {}
@@ -67,6 +74,24 @@ class VerifierHook:
     def _record(self, trace: Trace, verdict: Verdict) -> None:
         with self._lock:
             self.actions.append({"choice": trace.index, "tokens": trace.num_tokens, **verdict.as_dict()})
+
+    def run_checks(self) -> None:
+        """The final answer checks, on every choice that ended by itself (blocking: run it on a worker thread)."""
+        if self.checks is None:
+            return
+        done = [t for rid, t in self.traces.items() if t.finished and rid not in self._ended]
+        for trace, verdict in zip(done, self.checks.check(self.context, done), strict=True):
+            if verdict.action is not Action.CONTINUE:
+                self._record(trace, verdict)
+                with self._lock:
+                    self._failed_checks += 1
+
+    @property
+    def failed(self) -> bool:
+        """Whether an answer of this request failed: a check escalated it, or a loop had to be stopped."""
+        verdicts = [*self.final.values(), *self._ended.values()]
+        looped = any(v.action is Action.STOP and v.verifier == "degeneration" for v in verdicts)
+        return self._failed_checks > 0 or looped or any(v.action is Action.ESCALATE for v in verdicts)
 
     def tokens_saved(self, max_tokens: Mapping[str, int]) -> int:
         """An estimate of the completion tokens the ended choices did not generate: a loop runs to its cap

@@ -3,29 +3,37 @@
 from __future__ import annotations
 
 from policies.policy import VerifierSettings
+from verifiers.answers import CodeTests, MathAnswer, Structure
 from verifiers.base import Verifier
 from verifiers.compose import all_of, any_of
 from verifiers.confidence import Confidence
 from verifiers.degeneration import Degeneration
 
 
-def build_verifier(settings: VerifierSettings, choices: int) -> Verifier | None:
-    """The policy's in-flight verifiers for a request with `choices` choices, combined as it says; None if
-    none applies (confidence judges a vote, so it needs two choices or more)."""
+def build_verifiers(settings: VerifierSettings, choices: int) -> tuple[Verifier | None, Verifier | None]:
+    """The policy's verifiers for a request with `choices` choices: (in-flight, final). In-flight ones run
+    in the engine's step loop and are combined as the policy says (confidence judges a vote: it needs two
+    choices or more); final answer checks run once the generation has ended, off the engine's thread
+    (tests can take seconds), and any failed one escalates. None where there is none."""
     every = settings.every_n_tokens
-    members: list[Verifier] = []
+    in_flight: list[Verifier] = []
     for name in dict.fromkeys(settings.enabled):
         if name == "degeneration":
             d = settings.degeneration
-            members.append(
+            in_flight.append(
                 Degeneration(every=every, min_repeats=d.min_repeats, min_tokens=d.min_tokens, max_items=d.max_items)
             )
         elif name == "confidence" and choices > 1:
-            c = settings.confidence
-            options = c.model_dump()  # window, threshold, prune_quantile, min_keep, consensus, min_votes
-            members.append(Confidence(every=every, **options))
+            options = settings.confidence.model_dump()  # window, threshold, quantile, min_keep, consensus, votes
+            in_flight.append(Confidence(every=every, **options))
+    checks = {"math": MathAnswer, "code": CodeTests, "structure": Structure}
+    final = [checks[name]() for name in dict.fromkeys(settings.checks)]
+    return _combined(in_flight, settings.combine), _combined(final, "any")
+
+
+def _combined(members: list[Verifier], combine: str) -> Verifier | None:
     if not members:
         return None
     if len(members) == 1:
         return members[0]
-    return any_of(*members) if settings.combine == "any" else all_of(*members)
+    return any_of(*members) if combine == "any" else all_of(*members)

@@ -56,6 +56,8 @@ ROUTE_P_HEADER = "x-switchboard-route-p-small"  # routed requests: the router's 
 # Non-streamed responses whose policy runs verifiers: what they did, `choice:verifier:action@tokens`
 # comma-separated, or `none`; the usage record holds the same with scores and reasons (streams too).
 VERIFIERS_HEADER = "x-switchboard-verifiers"
+# A cascaded answer: `small>large; first=<the failed attempt's id>` (both attempts are in the ledger).
+CASCADE_HEADER = "x-switchboard-cascade"
 
 
 def verifiers_header(actions: list[dict]) -> str:
@@ -72,7 +74,7 @@ def _pipeline(request: Request) -> Pipeline:
 async def chat_completions(body: ChatCompletionRequest, request: Request, principal: CurrentPrincipal) -> Response:
     gen = await _pipeline(request).start_chat(principal, body, request.headers.get(CACHE_CONTROL))
 
-    def result(texts: list[str], reasons: list[str | None]) -> ChatCompletion:
+    def result(gen: Generation, texts: list[str], reasons: list[str | None]) -> ChatCompletion:
         choices = [
             ChatChoice(index=i, message=ChatMessageOut(content=t), finish_reason=r)
             for i, (t, r) in enumerate(zip(texts, reasons, strict=True))
@@ -86,7 +88,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, princi
 async def completions(body: CompletionRequest, request: Request, principal: CurrentPrincipal) -> Response:
     gen = await _pipeline(request).start_completion(principal, body, request.headers.get(CACHE_CONTROL))
 
-    def result(texts: list[str], reasons: list[str | None]) -> Completion:
+    def result(gen: Generation, texts: list[str], reasons: list[str | None]) -> Completion:
         choices = [
             CompletionChoice(index=i, text=t, finish_reason=r)
             for i, (t, r) in enumerate(zip(texts, reasons, strict=True))
@@ -101,7 +103,7 @@ async def _respond(
     gen: Generation,
     body: ChatCompletionRequest | CompletionRequest,
     events: Callable[[Generation, bool], AsyncIterator[str]],
-    result: Callable[[list[str], list[str | None]], BaseModel],
+    result: Callable[[Generation, list[str], list[str | None]], BaseModel],
 ) -> Response:
     """Stream SSE, or run to the end (aborting if the client leaves) and answer with `result`."""
     headers = {"x-request-id": gen.request_id, "x-switchboard-cache": gen.cache.header}
@@ -135,10 +137,25 @@ async def _respond(
         return Response(status_code=499)  # nobody is listening; the status is for the access log
     finally:
         await gen.abandon()  # a no-op once it ran
-    headers[TIER_HEADER] = gen.tier
     if gen.hooks:
         headers[VERIFIERS_HEADER] = verifiers_header(gen.verifier_actions)
-    body_json = result(texts, reasons).model_dump_json()
+    if gen.escalation is not None:  # the policy's cascade: the failed answer is retried on a larger tier
+        first = gen
+        try:
+            gen = await _pipeline(request).escalate(first, body)
+            try:
+                texts, reasons = await until_disconnect(request, _collect(gen))
+            finally:
+                await gen.abandon()
+            headers[CASCADE_HEADER] = f"{first.tier}>{gen.tier}; first={first.request_id}"
+            headers["x-request-id"] = gen.request_id
+        except ClientDisconnected:
+            return Response(status_code=499)
+        except APIError as exc:  # the larger tier refused (budget, rate limit, down): the first answer stands
+            gen = first
+            headers[CASCADE_HEADER] = f"{first.tier}; not escalated: {exc.code or exc.status}"
+    headers[TIER_HEADER] = gen.tier
+    body_json = result(gen, texts, reasons).model_dump_json()
     # after_response runs once the body is sent (Starlette's background task), never on the request's path
     return Response(
         body_json, media_type="application/json", headers=headers, background=BackgroundTask(gen.after_response)
