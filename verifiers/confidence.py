@@ -113,7 +113,7 @@ class Confidence(Verifier):
         votes: dict[str, float] = {}
         counts: dict[str, int] = {}
         for t, s in zip(traces, states, strict=True):
-            if t.finished and t.finish_reason not in ("pruned", "escalate") and (a := self.answer_of(t.text)):
+            if t.finished and not _ended_early(t) and (a := self.answer_of(t.text)):
                 votes[a] = votes.get(a, 0.0) + max(s.mean, 1e-6)
                 counts[a] = counts.get(a, 0) + 1
         if votes:
@@ -127,11 +127,11 @@ class Confidence(Verifier):
                     verdicts[i] = Verdict(Action.STOP, share, reason, self.name)
                 return verdicts
         # pruning: the least confident running traces, keeping at least `min_keep` alive or done well
-        alive = [i for i, t in enumerate(traces) if t.finish_reason not in ("pruned", "escalate")]
-        lows = {i: states[i].lowest_or_partial() for i in alive}
+        alive = [i for i, t in enumerate(traces) if not _ended_early(t)]
+        lows = {i: states[i].lowest_or_partial() for i in range(len(traces))}
         if self.threshold is not None:
             cut = self.threshold
-        else:
+        else:  # ranked among all the request's traces, pruned ones too: the cut does not creep up as they go
             ranked = sorted(v for v in lows.values() if math.isfinite(v))
             if len(ranked) < 2:
                 return verdicts
@@ -146,3 +146,8 @@ class Confidence(Verifier):
             )
             may_prune -= 1
         return verdicts
+
+
+def _ended_early(trace: Trace) -> bool:
+    """Ended by a verifier (pruned, stopped, escalated) rather than by itself: no answer to count."""
+    return (trace.finish_reason or "").startswith("verifier-") or trace.finish_reason in ("pruned", "escalate")

@@ -52,14 +52,15 @@ class VerifierHook:
     def decide(self) -> Mapping[str, FinishReason]:
         if self.verifier is None:
             return {}
-        live = [(rid, t) for rid, t in self.traces.items() if rid not in self._ended]
-        if all(t.finished and t.index in self.final for _, t in live):
+        traces = list(self.traces.items())
+        if all(rid in self._ended or (t.finished and t.index in self.final) for rid, t in traces):
             return {}
-        # all of them: a vote needs the finished traces too; each verifier knows what it has judged
-        verdicts = self.verifier.check(self.context, [t for _, t in live])
+        # All of them, ended ones included (finish reason `verifier-<action>`): a vote needs the finished
+        # traces, a confidence ranking the pruned ones; each verifier knows what it has judged.
+        verdicts = self.verifier.check(self.context, [t for _, t in traces])
         ends: dict[str, FinishReason] = {}
-        for (rid, trace), verdict in zip(live, verdicts, strict=True):
-            if verdict is NOT_CHECKED or (trace.finished and trace.index in self.final):
+        for (rid, trace), verdict in zip(traces, verdicts, strict=True):
+            if verdict is NOT_CHECKED or rid in self._ended or (trace.finished and trace.index in self.final):
                 continue
             if trace.finished:
                 self.final[trace.index] = verdict
@@ -69,6 +70,7 @@ class VerifierHook:
             if not trace.finished:
                 ends[rid] = ENDS[verdict.action]
                 self._ended[rid] = verdict
+                trace.finished, trace.finish_reason = True, f"verifier-{verdict.action}"
         return ends
 
     def _record(self, trace: Trace, verdict: Verdict) -> None:
@@ -79,7 +81,7 @@ class VerifierHook:
         """The final answer checks, on every choice that ended by itself (blocking: run it on a worker thread)."""
         if self.checks is None:
             return
-        done = [t for rid, t in self.traces.items() if t.finished and rid not in self._ended]
+        done = [t for rid, t in self.traces.items() if t.finished and rid not in self._ended]  # ended by themselves
         for trace, verdict in zip(done, self.checks.check(self.context, done), strict=True):
             if verdict.action is not Action.CONTINUE:
                 self._record(trace, verdict)
