@@ -88,6 +88,9 @@ class VerifierHook:
                 with self._lock:
                     self._failed_checks += 1
 
+    def ended_by_verifier(self, request_id: str) -> bool:
+        return request_id in self._ended
+
     @property
     def failed(self) -> bool:
         """Whether an answer of this request failed: a check escalated it, or a loop had to be stopped."""
