@@ -88,3 +88,14 @@ def test_bad_schemas_are_refused_clearly(engine: Engine) -> None:
         engine.grammars.regex("(unclosed")
     with pytest.raises(GrammarError):
         engine.grammars.json_schema({"type": "no-such-type"})
+
+
+def test_json_schema_outputs_are_always_valid_on_qwen(qwen05_dir: Path) -> None:
+    qwen = Engine.from_dir(qwen05_dir, dtype="bf16", config=EngineConfig(kv_cache_bytes=256 << 20))
+    grammar = qwen.grammars.json_schema(PERSON)
+    results = generate(qwen, 200, grammar, max_tokens=120)
+    for text, reason in results:
+        assert reason is FinishReason.STOP, text
+        jsonschema.validate(json.loads(text), PERSON)
+    assert len({text for text, _ in results}) > 20
+    assert qwen.block_manager.stats().used == 0
