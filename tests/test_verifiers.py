@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from engines.request import TokenLogprob
@@ -168,3 +170,33 @@ def test_answer_checks_escalate_what_fails() -> None:
     assert structure.check(as_regex, [done(text="yes")])[0].action is Action.CONTINUE
     assert structure.check(as_regex, [done(text="yes!")])[0].action is Action.ESCALATE
     assert structure.check(CTX, [done(text="anything")])[0].action is Action.CONTINUE
+
+
+def test_the_probe_learns_round_trips_and_escalates(tmp_path: Path) -> None:
+    from router_model.encoder import RouterEncoder
+    from verifiers.probe import AnswerProbe, ProbeCheck
+
+    # A learnable signal: right answers reason and end in a number; wrong ones trail off or repeat.
+    questions = [f"Tom has {i} apples and buys {i + 3} more. How many apples does he have?" for i in range(40)]
+    right = [
+        f"He starts with {i} and buys {i + 3}, so {i} + {i + 3} = {2 * i + 3}. The answer is {2 * i + 3}."
+        for i in range(40)
+    ]
+    wrong = [
+        "I am not sure what you mean by apples, apples, apples." if i % 2 else "Let me think about it"
+        for i in range(40)
+    ]
+    pairs = [*zip(questions, right, strict=True), *zip(questions, wrong, strict=True)]
+    labels = [True] * 40 + [False] * 40
+    encoder = RouterEncoder()
+    probe = AnswerProbe.train(pairs, labels, encoder)
+    assert probe.metadata["cv_auc"] > 0.9 and probe.metadata["n_train"] == 80
+    again = AnswerProbe.load(probe.save(tmp_path / "probe"), encoder)
+    q = "Sara has 5 pens and buys 8 more. How many pens does she have?"
+    good, bad = "5 + 8 = 13. The answer is 13.", "pens pens pens, I am not sure"
+    p_good, p_bad = again.p_correct([(q, good), (q, bad)])
+    assert p_good > 0.5 > p_bad
+    check = ProbeCheck(again)
+    ctx = Context(prompt=q)
+    assert check.check(ctx, [done(text=bad)])[0].action is Action.ESCALATE
+    assert check.check(ctx, [done(text=good)])[0].action is Action.CONTINUE

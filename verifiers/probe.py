@@ -1,0 +1,137 @@
+"""A learned verifier: P(the answer is right) from the MiniLM embedding of question and answer plus a few
+cheap features of the answer, by logistic regression.
+
+Trained on labeled answers: rows with `question`, `answer` and `correct` (the router's label file with
+`--keep-text` gives the small tier's answers and `small_ok`; see `rows_from_labels`). Saved as
+`probe.joblib` + `probe.json` (feature version, training size, cross-validated AUC, threshold).
+`ProbeCheck` is a final check: below the threshold it escalates.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from engines.quality import extract_answer
+from gateway.semantic_cache import Embedder
+from verifiers.base import Action, Context, Trace, TraceVerifier, Verdict
+
+FEATURE_VERSION = "probe-minilm-int8+answer-1"
+MODEL_FILE, METADATA_FILE = "probe.joblib", "probe.json"
+_WORD = re.compile(r"\w+")
+
+
+def answer_features(answer: str) -> np.ndarray:
+    """Cheap signals of a bad answer: no final number, length, how much of it repeats."""
+    words = _WORD.findall(answer.lower())
+    distinct = len(set(words)) / len(words) if words else 0.0
+    lines = [line.strip() for line in answer.splitlines() if line.strip()]
+    repeated = 1.0 - len(set(lines)) / len(lines) if lines else 0.0
+    values = [float(extract_answer(answer) is not None), math.log1p(len(answer)), distinct, repeated]
+    return np.asarray(values, dtype=np.float32)
+
+
+def probe_text(question: str, answer: str) -> str:
+    """What MiniLM embeds: the question's head and the answer's tail, where its conclusion is."""
+    return f"{question[:300]}\n\n{answer[-600:]}"
+
+
+def featurize(pairs: Sequence[tuple[str, str]], encoder: Embedder) -> np.ndarray:
+    vectors = encoder.encode([probe_text(q, a) for q, a in pairs])
+    cheap = np.stack([answer_features(a) for _, a in pairs]) if pairs else np.zeros((0, 4), np.float32)
+    return np.hstack([vectors, cheap]).astype(np.float32)
+
+
+@dataclass
+class AnswerProbe:
+    classifier: object
+    encoder: Embedder
+    metadata: dict = field(default_factory=dict)
+
+    @classmethod
+    def train(
+        cls, pairs: Sequence[tuple[str, str]], correct: Sequence[bool], encoder: Embedder, *, seed: int = 0
+    ) -> AnswerProbe:
+        from sklearn.linear_model import LogisticRegression
+        from sklearn.model_selection import StratifiedKFold, cross_val_predict
+        from sklearn.pipeline import make_pipeline
+        from sklearn.preprocessing import StandardScaler
+
+        y = np.asarray(correct, bool)
+        if y.all() or not y.any():
+            raise ValueError("the probe needs right and wrong answers to learn from")
+        x = featurize(pairs, encoder)
+        model = make_pipeline(StandardScaler(), LogisticRegression(C=0.05, max_iter=5000, random_state=seed))
+        folds = max(2, min(5, int(y.sum()), int((~y).sum())))
+        oof = cross_val_predict(
+            model, x, y, cv=StratifiedKFold(folds, shuffle=True, random_state=seed), method="predict_proba"
+        )
+        model.fit(x, y)
+        metadata = {
+            "feature_version": FEATURE_VERSION,
+            "n_train": len(y),
+            "share_correct": float(y.mean()),
+            "cv_auc": _auc(y, oof[:, 1]),
+            "threshold": 0.5,
+        }
+        return cls(model, encoder, metadata)
+
+    def p_correct(self, pairs: Sequence[tuple[str, str]]) -> np.ndarray:
+        return self.classifier.predict_proba(featurize(pairs, self.encoder))[:, 1]  # type: ignore[attr-defined]
+
+    def save(self, directory: Path) -> Path:
+        import joblib
+
+        directory.mkdir(parents=True, exist_ok=True)
+        joblib.dump(self.classifier, directory / MODEL_FILE)
+        (directory / METADATA_FILE).write_text(json.dumps(self.metadata, indent=2))
+        return directory
+
+    @classmethod
+    def load(cls, directory: Path, encoder: Embedder) -> AnswerProbe:
+        """joblib is pickle: load probes only from directories you wrote."""
+        import joblib
+
+        metadata = json.loads((directory / METADATA_FILE).read_text())
+        if metadata.get("feature_version") != FEATURE_VERSION:
+            raise ValueError(
+                f"{directory}: a probe for features {metadata.get('feature_version')!r}, not {FEATURE_VERSION!r}"
+            )
+        return cls(joblib.load(directory / MODEL_FILE), encoder, metadata)
+
+
+def rows_from_labels(path: Path, questions: dict[str, str]) -> list[tuple[str, str, bool]]:
+    """(question, small answer, small_ok) from a label file written with `--keep-text`; `questions` by id."""
+    rows = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            r = json.loads(line)
+            if "small_text" in r and r["id"] in questions:
+                rows.append((questions[r["id"]], r["small_text"], bool(r["small_ok"])))
+    return rows
+
+
+class ProbeCheck(TraceVerifier):
+    name = "probe"
+
+    def __init__(self, probe: AnswerProbe, threshold: float | None = None) -> None:
+        self.probe = probe
+        self.threshold = float(probe.metadata.get("threshold", 0.5)) if threshold is None else threshold
+
+    def check_trace(self, context: Context, trace: Trace) -> Verdict:
+        p = float(self.probe.p_correct([(context.prompt, trace.text)])[0])
+        if p < self.threshold:
+            return self.verdict(Action.ESCALATE, p, f"P(right) {p:.2f} < {self.threshold:.2f}")
+        return self.verdict(Action.CONTINUE, p, f"P(right) {p:.2f}")
+
+
+def _auc(y: np.ndarray, p: np.ndarray) -> float:
+    from sklearn.metrics import roc_auc_score
+
+    return float(roc_auc_score(y, p))
