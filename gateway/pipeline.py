@@ -667,15 +667,16 @@ def _answer_params(body: ChatCompletionRequest | CompletionRequest, params: Samp
         "presence_penalty": params.presence_penalty,
         "frequency_penalty": params.frequency_penalty,
         **{k: extra[k] for k in _ANSWER_FIELDS if extra.get(k) is not None},
-        **_response_format_key(body),
+        **({"response_format": fmt} if (fmt := _response_format(body)) is not None else {}),
     }
 
 
-def _response_format_key(body: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
+def _response_format(body: ChatCompletionRequest | CompletionRequest) -> dict[str, Any] | None:
+    """The request's `response_format` as JSON, None for free text (the cache key and the verifiers read it)."""
     fmt = getattr(body, "response_format", None)
     if fmt is None or fmt.type == "text":
-        return {}
-    return {"response_format": fmt.model_dump(by_alias=True, exclude_none=True)}
+        return None
+    return fmt.model_dump(by_alias=True, exclude_none=True)
 
 
 def model_not_found(model: str) -> APIError:
@@ -731,12 +732,10 @@ async def _tokenize(chars: int, fn: Callable[..., T], *args: Any) -> T:
 
 
 def _verifier_context(body: ChatCompletionRequest | CompletionRequest, index: int) -> Context:
-    extra = body.model_extra or {}
-    fmt = getattr(body, "response_format", None)
-    tests = extra.get("tests")  # extension: code that checks a code answer (the `code` check runs it)
+    tests = (body.model_extra or {}).get("tests")  # extension: code that checks a code answer (`code` check)
     return Context(
         prompt=_prompt_text(body, index),
-        response_format=fmt.model_dump(by_alias=True, exclude_none=True) if fmt is not None else None,
+        response_format=_response_format(body),
         tests=tests if isinstance(tests, str) else None,
     )
 

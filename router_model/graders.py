@@ -16,9 +16,9 @@ import textwrap
 
 from engines.quality import extract_answer, reference_answer
 from router_model.datasets import Item
+from verifiers.answers import fenced_blocks
 from verifiers.sandbox import SandboxResult, run_python
 
-_FENCE = re.compile(r"```([\w+.-]*)[^\n]*\n(.*?)(?:^[ \t]*```|\Z)", re.S | re.M)
 _PYTHON_TAGS = ("", "python", "python3", "py")
 _VERDICT = re.compile(r"\b(yes|no)\b", re.I)
 
@@ -51,7 +51,7 @@ def defines(code: str, name: str) -> bool:
 def extract_code(completion: str, entry_point: str) -> str:
     """The Python in a completion: the fenced block defining `entry_point`, else the first Python block,
     else the whole text. An unclosed fence (the answer ran out of tokens) runs to the end."""
-    blocks = [code for tag, code in _FENCE.findall(completion) if tag.lower() in _PYTHON_TAGS]
+    blocks = [code for tag, code in fenced_blocks(completion) if tag.lower() in _PYTHON_TAGS]
     if not blocks:
         return completion
     return next((code for code in blocks if defines(code, entry_point)), blocks[0])

@@ -21,7 +21,12 @@ from engines.quality import extract_answer, reference_answer
 from verifiers.base import Action, Context, Trace, TraceVerifier, Verdict
 from verifiers.sandbox import run_python
 
-_FENCE = re.compile(r"```[\w+.-]*[^\n]*\n(.*?)(?:^[ \t]*```|\Z)", re.S | re.M)
+_FENCE = re.compile(r"```([\w+.-]*)[^\n]*\n(.*?)(?:^[ \t]*```|\Z)", re.S | re.M)
+
+
+def fenced_blocks(text: str) -> list[tuple[str, str]]:
+    """(tag, code) of each fenced block; an unclosed fence (the answer ran out of tokens) runs to the end."""
+    return _FENCE.findall(text)
 
 
 class MathAnswer(TraceVerifier):
@@ -40,7 +45,7 @@ class MathAnswer(TraceVerifier):
 
 def answer_code(text: str) -> str:
     """The code of an answer: its fenced blocks joined, else the whole text."""
-    blocks = _FENCE.findall(text)
+    blocks = [code for _, code in fenced_blocks(text)]
     return "\n\n".join(blocks) if blocks else text
 
 

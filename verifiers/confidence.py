@@ -37,11 +37,7 @@ def token_confidence(top: Sequence[tuple[int, float]]) -> float:
 
 def final_answer(text: str) -> str | None:
     """The final number (GSM8K's rule), else the whitespace-normalized text; None for an empty answer."""
-    number = extract_answer(text)
-    if number is not None:
-        return str(number)
-    words = " ".join(text.split())
-    return words or None
+    return extract_answer(text) or " ".join(text.split()) or None
 
 
 @dataclass

@@ -18,14 +18,10 @@ def build_verifiers(settings: VerifierSettings, choices: int) -> tuple[Verifier 
     every = settings.every_n_tokens
     in_flight: list[Verifier] = []
     for name in dict.fromkeys(settings.enabled):
-        if name == "degeneration":
-            d = settings.degeneration
-            in_flight.append(
-                Degeneration(every=every, min_repeats=d.min_repeats, min_tokens=d.min_tokens, max_items=d.max_items)
-            )
+        if name == "degeneration":  # the settings' fields are the verifiers' keyword arguments
+            in_flight.append(Degeneration(every=every, **settings.degeneration.model_dump()))
         elif name == "confidence" and choices > 1:
-            options = settings.confidence.model_dump()  # window, threshold, quantile, min_keep, consensus, votes
-            in_flight.append(Confidence(every=every, **options))
+            in_flight.append(Confidence(every=every, **settings.confidence.model_dump()))
     checks = {"math": MathAnswer, "code": CodeTests, "structure": Structure}
     final = [checks[name]() for name in dict.fromkeys(settings.checks)]
     return _combined(in_flight, settings.combine), _combined(final, "any")
