@@ -306,13 +306,7 @@ class Generation:
             verifier_actions=self.verifier_actions,
             cache_status=self.cache.status,
             route="direct" if self.route is None else "auto",
-            cost=price.cost,
-            counterfactual_cost=price.counterfactual,
-            saved_cache=price.saved_cache,
-            saved_routing=price.saved_routing,
-            saved_speculation=price.saved_speculation,
-            saved_verifier=price.saved_verifier,
-            saved_policy=price.saved_policy,
+            **price.ledger_fields(),
         )
         self.charged = True
         if self.metrics is not None:

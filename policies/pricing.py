@@ -47,6 +47,18 @@ class Charge:
     def saved(self) -> Decimal:
         return self.counterfactual - self.cost
 
+    def ledger_fields(self) -> dict[str, Decimal]:
+        """The usage row's money columns (`gateway.ledger.UsageRecord`)."""
+        return {
+            "cost": self.cost,
+            "counterfactual_cost": self.counterfactual,
+            "saved_cache": self.saved_cache,
+            "saved_routing": self.saved_routing,
+            "saved_speculation": self.saved_speculation,
+            "saved_verifier": self.saved_verifier,
+            "saved_policy": self.saved_policy,
+        }
+
 
 def charge(policy: Policy, tier: str, t: Tokens) -> Charge:
     p, large = policy.price(tier), policy.price(policy.counterfactual_tier)

@@ -305,11 +305,7 @@ class Relabeler:
             cache_status="bypass",
             route="shadow",
             policy_version=job.policy.version,
-            cost=price.cost,
-            counterfactual_cost=price.counterfactual,
-            saved_cache=price.saved_cache,
-            saved_routing=price.saved_routing,
-            saved_speculation=price.saved_speculation,
+            **price.ledger_fields(),  # saved_verifier and saved_policy: 0, nothing cut a shadow run
         )
         if self.metrics is not None:
             self.metrics.record_request(rec, None, seconds)
