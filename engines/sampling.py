@@ -58,6 +58,9 @@ class SamplingState:
         self.generator = torch.Generator().manual_seed(seed)
 
 
+CANDIDATES = 512  # top-p looks for its nucleus among this many most likely tokens first (vocabularies: 150k)
+
+
 def sample(logits: torch.Tensor, states: list[SamplingState]) -> list[int]:
     """One token per row of `logits` (rows, vocab), float32.
 
@@ -73,7 +76,9 @@ def sample(logits: torch.Tensor, states: list[SamplingState]) -> list[int]:
                 out[i] = int(row.argmax())
         if p.greedy:
             continue
-        out[i] = int(torch.multinomial(distribution(row, p), 1, generator=state.generator))
+        probs, ids = candidates(row, p)
+        pick = draw(probs, state.generator)
+        out[i] = pick if ids is None else int(ids[pick])
     return out
 
 
@@ -82,20 +87,40 @@ def distribution(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     last dimension of `logits` (float32, one row or many; top-p leaves it unnormalized). The speculative
     core uses it for both the target's and the draft's distributions, so acceptance reproduces exactly
     what this sampler draws."""
+    probs, ids = candidates(logits, p)
+    return probs if ids is None else torch.zeros(logits.shape, dtype=probs.dtype).scatter_(-1, ids, probs)
+
+
+def candidates(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`distribution` as (probabilities, token ids) over the few tokens top-k or top-p leave, most likely
+    first; (probabilities over the whole vocabulary, None) where neither cuts. Sorting a 150k vocabulary
+    per row cost more than the model's forward pass at batch 48; the nucleus is almost always within the
+    first CANDIDATES tokens, and where it is not (a flat distribution) the whole row is sorted."""
     row = logits / p.temperature
-    if p.top_k and p.top_k < row.shape[-1]:
-        kth = torch.topk(row, p.top_k).values[..., -1:]
-        row = row.masked_fill(row < kth, float("-inf"))
-    dist = torch.softmax(row, dim=-1)
-    return _top_p(dist, p.top_p) if p.top_p < 1.0 else dist
+    vocab = row.shape[-1]
+    ids = None
+    if 0 < p.top_k < vocab:
+        row, ids = torch.topk(row, p.top_k)
+    probs = torch.softmax(row, dim=-1)
+    if p.top_p >= 1.0:
+        return probs, ids
+    if ids is None:
+        probs, ids = probs.topk(min(CANDIDATES, vocab))
+        if bool((probs.sum(-1) < p.top_p).any()):
+            probs, ids = torch.softmax(row, dim=-1).sort(descending=True)
+    before = probs.cumsum(-1) - probs  # mass strictly ahead of each token
+    return probs.masked_fill(before >= p.top_p, 0.0), ids
 
 
-def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose mass reaches top_p (always at least one)."""
-    sorted_probs, order = probs.sort(descending=True)
-    before = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly ahead of each token
-    sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
-    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+def draw(weights: torch.Tensor, generator: torch.Generator) -> int:
+    """An index drawn with probability proportional to `weights` (one row, nonnegative, some positive), by
+    inverting the cumulative sum: one uniform number, ~15x cheaper than torch.multinomial on 150k."""
+    cdf = weights.double().cumsum(-1)
+    u = torch.rand((), generator=generator, dtype=torch.float64) * cdf[-1]
+    index = int(torch.searchsorted(cdf, u.reshape(1), right=True))
+    if index >= len(cdf):  # u rounded up to the total: the last token that has weight
+        index = int(torch.nonzero(weights)[-1])
+    return index
 
 
 def _apply_penalties(row: torch.Tensor, output_ids: list[int], p: SamplingParams) -> torch.Tensor:

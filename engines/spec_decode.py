@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engines.sampling import SamplingParams, SamplingState, distribution
+from engines.sampling import SamplingParams, SamplingState, distribution, draw
 
 
 def accept(
@@ -59,8 +59,8 @@ def accept(
             residual = (pj - draft[j]).clamp_min_(0.0)
         if float(residual.sum()) <= 0.0:  # p ≤ q everywhere only by rounding: p itself is the answer
             residual = pj
-        return [*draft_tokens[:j], int(torch.multinomial(residual, 1, generator=state.generator))]
-    return [*draft_tokens, int(torch.multinomial(target[k], 1, generator=state.generator))]
+        return [*draft_tokens[:j], draw(residual, state.generator)]
+    return [*draft_tokens, draw(target[k], state.generator)]
 
 
 def _normalized(dist: torch.Tensor) -> torch.Tensor:
@@ -73,7 +73,7 @@ def draft_token(logits: torch.Tensor, state: SamplingState) -> tuple[int, torch.
     if state.params.greedy:
         return int(logits.argmax()), None
     q = distribution(logits, state.params)
-    return int(torch.multinomial(q, 1, generator=state.generator)), q
+    return draw(q, state.generator), q
 
 
 def speculates(params: SamplingParams) -> bool:

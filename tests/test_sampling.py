@@ -7,7 +7,8 @@ from collections import Counter
 import pytest
 import torch
 
-from engines.sampling import SamplingParams, SamplingState, sample
+from engines import sampling
+from engines.sampling import CANDIDATES, SamplingParams, SamplingState, distribution, sample
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
 
@@ -39,6 +40,31 @@ def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
     counts = draw(SamplingParams(top_p=probs[0] + probs[1] - 1e-3, seed=2), 3000)
     assert set(counts) == {0, 1}
     assert draw(SamplingParams(top_p=0.01, seed=3), 200) == Counter({0: 200})  # always at least one
+
+
+def full_sort_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The reference: sort the whole vocabulary, keep the smallest prefix whose mass reaches top_p."""
+    probs = torch.softmax(logits, -1)
+    ordered, order = probs.sort(descending=True)
+    kept = ordered.masked_fill(ordered.cumsum(-1) - ordered >= top_p, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, kept)
+
+
+@pytest.mark.parametrize("scale", [8.0, 0.05])  # peaked (nucleus of a few tokens); flat (wider than CANDIDATES)
+def test_top_p_over_a_large_vocabulary_matches_sorting_all_of_it(scale: float) -> None:
+    logits = torch.randn(3, 50_000, generator=torch.Generator().manual_seed(0)) * scale
+    got = distribution(logits, SamplingParams(top_p=0.9))
+    assert torch.allclose(got, full_sort_top_p(logits, 0.9), atol=1e-7)
+    kept = int((got[0] > 0).sum())
+    assert (kept < CANDIDATES) if scale > 1 else (kept > CANDIDATES)  # both paths were taken
+
+
+def test_draw_follows_the_weights_and_never_picks_a_zero() -> None:
+    weights = torch.tensor([0.0, 3.0, 0.0, 1.0, 0.0])
+    gen = torch.Generator().manual_seed(4)
+    counts = Counter(sampling.draw(weights, gen) for _ in range(8000))
+    assert set(counts) == {1, 3}
+    assert abs(counts[1] / 8000 - 0.75) < 0.02
 
 
 def test_seed_makes_sampling_reproducible() -> None:
