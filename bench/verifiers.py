@@ -26,7 +26,7 @@ import json
 import statistics
 import sys
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from decimal import Decimal
 from pathlib import Path
 
@@ -211,38 +211,35 @@ def run_part(path: Path, problems: list[dict], jobs: Callable, engine: object, l
     (up to SLOTS sequences at once, topped up as they finish)."""
     from tqdm import tqdm
 
+    from engines.offline import complete_all
+
     done: dict[int, dict] = {}
     if path.exists():
         for line in path.read_text().splitlines():
             if line.strip():
                 row = json.loads(line)
                 done[row["problem"]] = row
-    todo = [i for i in range(len(problems)) if i not in done]
-    pending = list(todo)
     running: dict[int, tuple] = {}  # problem → (requests, summarize, texts, tokens, reasons)
     owner: dict[str, int] = {}
+
+    def requests() -> Iterator:
+        for i in (i for i in range(len(problems)) if i not in done):
+            made, summarize = jobs(i, problems[i])
+            running[i] = (made, summarize, {}, {}, {})
+            owner.update((r.request_id, i) for r in made)
+            yield from made
+
     with path.open("a") as out, tqdm(total=len(problems), initial=len(done), desc=label, unit="problem") as bar:
-        while pending or running:
-            while pending and sum(len(r[0]) for r in running.values()) < SLOTS:
-                i = pending.pop(0)
-                requests, summarize = jobs(i, problems[i])
-                running[i] = (requests, summarize, {}, {}, {})
-                for r in requests:
-                    owner[r.request_id] = i
-                    engine.add_request(r)  # type: ignore[attr-defined]
-            for o in engine.step():  # type: ignore[attr-defined]
-                i = owner[o.request_id]
-                _, _, texts, tokens, reasons = running[i]
-                texts[o.request_id] = texts.get(o.request_id, "") + o.text
-                tokens[o.request_id] = o.completion_tokens
-                if o.finish_reason is not None:
-                    reasons[o.request_id] = o.finish_reason.value
-            for i in [i for i, r in running.items() if len(r[4]) == len(r[0])]:
-                requests, summarize, texts, tokens, reasons = running.pop(i)
-                row = {"problem": i, **summarize(texts, tokens, reasons)}
-                out.write(json.dumps(row) + "\n")
+        for c in complete_all(engine, requests(), SLOTS):  # type: ignore[arg-type]
+            i = owner.pop(c.request_id)
+            made, summarize, texts, tokens, reasons = running[i]
+            texts[c.request_id], tokens[c.request_id] = c.text, c.completion_tokens
+            reasons[c.request_id] = c.finish_reason.value
+            if len(reasons) == len(made):
+                del running[i]
+                done[i] = {"problem": i, **summarize(texts, tokens, reasons)}
+                out.write(json.dumps(done[i]) + "\n")
                 out.flush()
-                done[i] = row
                 bar.update(1)
     return [done[i] for i in range(len(problems))]
 
