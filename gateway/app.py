@@ -34,6 +34,7 @@ from gateway.tenants import use_key_secret
 from policies.budgets import Budgets
 from policies.counters import Counters, LocalCounters, RedisCounters
 from policies.store import PolicyStore
+from verifiers.probe import AnswerProbe
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +76,9 @@ def create_app(
         app.state.policies = policies
         app.state.budgets = Budgets(db, counters, settings.redis_namespace)
         routing = await anyio.to_thread.run_sync(_routing, settings, running, db, ledger, app.state.budgets, app)
+        probe = await anyio.to_thread.run_sync(_probe, settings, routing)
         app.state.pipeline = Pipeline(
-            running, ledger, settings, policies, app.state.budgets, cache, app.state.metrics, routing
+            running, ledger, settings, policies, app.state.budgets, cache, app.state.metrics, routing, probe
         )
         app.state.started = int(time.time())
         # Everything loaded so far (models, tokenizers, the ORM, jinja) lives as long as the process: keep it
@@ -124,6 +126,15 @@ def create_app(
     app.include_router(router_api.router)
     app.include_router(console.router)
     return app
+
+
+def _probe(settings: Settings, routing: RoutingStage) -> AnswerProbe | None:
+    """The trained answer probe, if one is saved; it shares the router's MiniLM where there is a router."""
+    from router_model.encoder import RouterEncoder
+    from verifiers.probe import load_probe
+
+    encoder = routing.service.router.embedder if routing.service is not None else RouterEncoder()
+    return load_probe(settings.probe_path, encoder)
 
 
 def _routing(

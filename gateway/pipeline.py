@@ -55,6 +55,7 @@ from policies.store import PolicyStore, Versioned
 from verifiers.base import Context
 from verifiers.hook import VerifierHook
 from verifiers.policy import build_verifiers
+from verifiers.probe import AnswerProbe
 
 
 @dataclass(frozen=True)
@@ -384,6 +385,7 @@ class Pipeline:
         cache: CacheStage | None = None,
         metrics: Metrics | None = None,
         routing: RoutingStage | None = None,
+        probe: AnswerProbe | None = None,
     ) -> None:
         self.engines = dict(engines)
         self.ledger = ledger
@@ -393,6 +395,7 @@ class Pipeline:
         self.cache = cache
         self.metrics = metrics
         self.routing = routing or RoutingStage(None, self.engines)
+        self.probe = probe  # the trained answer probe, for policies with the `probe` check
 
     async def policy(self, principal: Principal) -> Versioned:
         if (hit := self.policies.cached(principal.tenant_id)) is not None:
@@ -503,7 +506,9 @@ class Pipeline:
         salt = f"tenant:{principal.tenant_id}" if self.settings.prefix_cache_scope == "tenant" else ""
         requests, asked, hooks = [], [], []
         settings = policy.policy.verifiers
-        verifier, checks = build_verifiers(settings, body.n) if settings.enabled or settings.checks else (None, None)
+        verifier, checks = (
+            build_verifiers(settings, body.n, self.probe) if settings.enabled or settings.checks else (None, None)
+        )
         for p, prompt in enumerate(prompts):
             params, wanted = self._params(body, engine, prompt, max_tokens, policy.policy)
             ids = [f"{request_id}-{p * body.n + j}" for j in range(body.n)]

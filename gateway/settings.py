@@ -134,6 +134,7 @@ class Settings(BaseSettings):
         "tenant", description="tenant: cached prompt prefixes are reused only within a tenant"
     )
     router_dir: Path | None = Field(None, description='the trained router `model: "auto"` uses; default: home/router')
+    probe_dir: Path | None = Field(None, description="the answer probe policy check `probe` uses; default: home/probe")
     router_threads: int = Field(1, ge=1, description="torch threads of the routing thread (the engines use the rest)")
 
     @model_validator(mode="after")
@@ -167,6 +168,10 @@ class Settings(BaseSettings):
     @property
     def router_path(self) -> Path:
         return self.router_dir.expanduser() if self.router_dir else self.home_dir / "router"
+
+    @property
+    def probe_path(self) -> Path:
+        return self.probe_dir.expanduser() if self.probe_dir else self.home_dir / "probe"
 
     @property
     def database(self) -> str:

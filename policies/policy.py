@@ -125,8 +125,11 @@ class VerifierSettings(_Strict):
     every_n_tokens: int = Field(16, ge=1)
     degeneration: DegenerationSettings = Field(default_factory=DegenerationSettings)
     confidence: ConfidenceSettings = Field(default_factory=ConfidenceSettings)
-    checks: list[Literal["math", "code", "structure"]] = Field(
+    checks: list[Literal["math", "code", "structure", "probe"]] = Field(
         default_factory=list, description="final answer checks: a failed one escalates (see `cascade`)"
+    )
+    probe_threshold: float | None = Field(
+        None, ge=0.0, le=1.0, description="the probe escalates answers below this P(right); default: its own"
     )
     cascade: bool = Field(False, description="retry an answer that failed a check (or looped) on `cascade_to`")
     cascade_to: str = Field("large", min_length=1, max_length=32)

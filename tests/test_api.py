@@ -426,6 +426,20 @@ def test_bad_response_formats_are_4xx_naming_the_field(client: openai.OpenAI) ->
         assert "response_format" in json.dumps(err.value.body) and fragment in json.dumps(err.value.body)
 
 
+def test_a_probe_check_needs_a_trained_probe(live_server: LiveServer) -> None:
+    from gateway.tenants import create_tenant
+
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    admin = create_tenant(live_server.db, name, role="admin").key
+    r = httpx.put(
+        f"{live_server.base_url}/v1/admin/tenants/{name}/policy",
+        json={"verifiers": {"checks": ["math", "probe"]}},
+        headers={"Authorization": f"Bearer {admin}"},
+    )
+    assert r.status_code == 422 and r.json()["error"]["param"] == "verifiers.checks", r.text
+    assert "switchboard verifiers train-probe" in r.json()["error"]["message"]
+
+
 def test_policy_verifiers_stop_a_loop_and_report_it(live_server: LiveServer) -> None:
     from gateway.tenants import create_key, create_tenant
 

@@ -21,10 +21,15 @@ POLICY = {"verifiers": {"checks": ["math"], "cascade": True, "cascade_to": "larg
 
 @pytest.fixture(scope="module")
 def live(small_engine: AsyncEngine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    from test_verifiers import apple_answers
+
     from gateway.app import create_app
     from gateway.settings import Settings
+    from router_model.encoder import RouterEncoder
+    from verifiers.probe import AnswerProbe
 
     home = tmp_path_factory.mktemp("cascade")
+    AnswerProbe.train(*apple_answers(), RouterEncoder()).save(home / "probe")  # the gateway loads it from home
     url = f"sqlite:///{home / 'switchboard.db'}"
     db = Database(url)
     settings = Settings(home=home, database_url=url, tiers={"small": {"model": "unused"}, "large": {"model": "unused"}})
@@ -97,3 +102,17 @@ def test_without_a_cascade_the_failed_check_is_only_reported(live: LiveServer) -
     r = ask(live, key, "Say hello to my friend Anna in one short sentence.")
     assert r.headers["x-switchboard-tier"] == "small" and "x-switchboard-cascade" not in r.headers
     assert "0:math:escalate@" in r.headers["x-switchboard-verifiers"]
+
+
+@pytest.mark.parametrize(("threshold", "escalated"), [(1.0, True), (0.0, False)])
+def test_the_probe_check_escalates_below_its_threshold(live: LiveServer, threshold: float, escalated: bool) -> None:
+    policy = {"verifiers": {"checks": ["probe"], "probe_threshold": threshold, "cascade": True}}
+    r = ask(live, tenant_key(live, policy), "What is 2 + 2? Reply with the number.")
+    assert r.status_code == 200, r.text
+    assert r.headers["x-switchboard-tier"] == ("large" if escalated else "small")
+    if escalated:  # P(right) < 1.0 always: the probe's own P is in the reason
+        assert "0:probe:escalate@" in r.headers["x-switchboard-verifiers"]
+        (first,) = live.wait_for_usage(r.headers["x-switchboard-cascade"].split("first=")[1])
+        assert first.verifier_actions[0]["reason"].startswith("P(right) ")
+    else:
+        assert r.headers["x-switchboard-verifiers"] == "none"

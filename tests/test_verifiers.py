@@ -172,11 +172,8 @@ def test_answer_checks_escalate_what_fails() -> None:
     assert structure.check(CTX, [done(text="anything")])[0].action is Action.CONTINUE
 
 
-def test_the_probe_learns_round_trips_and_escalates(tmp_path: Path) -> None:
-    from router_model.encoder import RouterEncoder
-    from verifiers.probe import AnswerProbe, ProbeCheck
-
-    # A learnable signal: right answers reason and end in a number; wrong ones trail off or repeat.
+def apple_answers() -> tuple[list[tuple[str, str]], list[bool]]:
+    """A learnable signal: right answers reason and end in a number; wrong ones trail off or repeat."""
     questions = [f"Tom has {i} apples and buys {i + 3} more. How many apples does he have?" for i in range(40)]
     right = [
         f"He starts with {i} and buys {i + 3}, so {i} + {i + 3} = {2 * i + 3}. The answer is {2 * i + 3}."
@@ -187,7 +184,14 @@ def test_the_probe_learns_round_trips_and_escalates(tmp_path: Path) -> None:
         for i in range(40)
     ]
     pairs = [*zip(questions, right, strict=True), *zip(questions, wrong, strict=True)]
-    labels = [True] * 40 + [False] * 40
+    return pairs, [True] * 40 + [False] * 40
+
+
+def test_the_probe_learns_round_trips_and_escalates(tmp_path: Path) -> None:
+    from router_model.encoder import RouterEncoder
+    from verifiers.probe import AnswerProbe, ProbeCheck
+
+    pairs, labels = apple_answers()
     encoder = RouterEncoder()
     probe = AnswerProbe.train(pairs, labels, encoder)
     assert probe.metadata["cv_auc"] > 0.9 and probe.metadata["n_train"] == 80

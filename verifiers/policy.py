@@ -8,13 +8,18 @@ from verifiers.base import Verifier
 from verifiers.compose import all_of, any_of
 from verifiers.confidence import Confidence
 from verifiers.degeneration import Degeneration
+from verifiers.probe import AnswerProbe, ProbeCheck
 
 
-def build_verifiers(settings: VerifierSettings, choices: int) -> tuple[Verifier | None, Verifier | None]:
+def build_verifiers(
+    settings: VerifierSettings, choices: int, probe: AnswerProbe | None = None
+) -> tuple[Verifier | None, Verifier | None]:
     """The policy's verifiers for a request with `choices` choices: (in-flight, final). In-flight ones run
     in the engine's step loop and are combined as the policy says (confidence judges a vote: it needs two
     choices or more); final answer checks run once the generation has ended, off the engine's thread
-    (tests can take seconds), and any failed one escalates. None where there is none."""
+    (tests can take seconds), and any failed one escalates. None where there is none. The `probe` check
+    needs the gateway's trained `probe`; without one it is left out (policies naming it are refused where
+    no probe is loaded, so only a replica missing its probe gets here)."""
     every = settings.every_n_tokens
     in_flight: list[Verifier] = []
     for name in dict.fromkeys(settings.enabled):
@@ -23,7 +28,13 @@ def build_verifiers(settings: VerifierSettings, choices: int) -> tuple[Verifier 
         elif name == "confidence" and choices > 1:
             in_flight.append(Confidence(every=every, **settings.confidence.model_dump()))
     checks = {"math": MathAnswer, "code": CodeTests, "structure": Structure}
-    final = [checks[name]() for name in dict.fromkeys(settings.checks)]
+    final: list[Verifier] = []
+    for name in dict.fromkeys(settings.checks):
+        if name == "probe":
+            if probe is not None:
+                final.append(ProbeCheck(probe, settings.probe_threshold))
+        else:
+            final.append(checks[name]())
     return _combined(in_flight, settings.combine), _combined(final, "any")
 
 

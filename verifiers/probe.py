@@ -1,15 +1,16 @@
 """A learned verifier: P(the answer is right) from the MiniLM embedding of question and answer plus a few
 cheap features of the answer, by logistic regression.
 
-Trained on labeled answers: rows with `question`, `answer` and `correct` (the router's label file with
-`--keep-text` gives the small tier's answers and `small_ok`; see `rows_from_labels`). Saved as
-`probe.joblib` + `probe.json` (feature version, training size, cross-validated AUC, threshold).
+Trained on graded answers (`verifiers.probe_data`: the small tier's answers to the router's labeled
+GSM8K and HumanEval prompts). Saved as `probe.joblib` + `probe.json` (feature version, training size,
+out-of-fold AUC, the threshold with the best out-of-fold balanced accuracy).
 `ProbeCheck` is a final check: below the threshold it escalates.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from collections.abc import Sequence
@@ -25,6 +26,7 @@ from verifiers.base import Action, Context, Trace, TraceVerifier, Verdict
 FEATURE_VERSION = "probe-minilm-int8+answer-1"
 MODEL_FILE, METADATA_FILE = "probe.joblib", "probe.json"
 _WORD = re.compile(r"\w+")
+log = logging.getLogger(__name__)
 
 
 def answer_features(answer: str) -> np.ndarray:
@@ -78,7 +80,7 @@ class AnswerProbe:
             "n_train": len(y),
             "share_correct": float(y.mean()),
             "cv_auc": _auc(y, oof[:, 1]),
-            "threshold": 0.5,
+            **_balanced_threshold(y, oof[:, 1]),
         }
         return cls(model, encoder, metadata)
 
@@ -106,15 +108,17 @@ class AnswerProbe:
         return cls(joblib.load(directory / MODEL_FILE), encoder, metadata)
 
 
-def rows_from_labels(path: Path, questions: dict[str, str]) -> list[tuple[str, str, bool]]:
-    """(question, small answer, small_ok) from a label file written with `--keep-text`; `questions` by id."""
-    rows = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            r = json.loads(line)
-            if "small_text" in r and r["id"] in questions:
-                rows.append((questions[r["id"]], r["small_text"], bool(r["small_ok"])))
-    return rows
+def load_probe(directory: Path, encoder: Embedder) -> AnswerProbe | None:
+    """The probe saved in `directory`; None where there is none or it cannot be used (logged)."""
+    if not (directory / METADATA_FILE).is_file():
+        return None
+    try:
+        probe = AnswerProbe.load(directory, encoder)
+    except (OSError, ValueError) as exc:
+        log.warning("the answer probe is unavailable: %s", exc)
+        return None
+    log.info("answer probe loaded from %s (out-of-fold AUC %.3f)", directory, probe.metadata.get("cv_auc", 0.0))
+    return probe
 
 
 class ProbeCheck(TraceVerifier):
@@ -129,6 +133,18 @@ class ProbeCheck(TraceVerifier):
         if p < self.threshold:
             return self.verdict(Action.ESCALATE, p, f"P(right) {p:.2f} < {self.threshold:.2f}")
         return self.verdict(Action.CONTINUE, p, f"P(right) {p:.2f}")
+
+
+def _balanced_threshold(y: np.ndarray, p: np.ndarray) -> dict[str, float]:
+    """The threshold on P(right) whose escalations (below it) best separate wrong from right answers
+    out of fold: the highest mean of the share of wrong answers caught and right answers kept."""
+    best = (0.5, 0.0)
+    for t in np.unique(p):
+        kept = p >= t
+        score = 0.5 * (float(kept[y].mean()) + float((~kept[~y]).mean()))
+        if score > best[1]:
+            best = (float(t), score)
+    return {"threshold": best[0], "balanced_accuracy": best[1]}
 
 
 def _auc(y: np.ndarray, p: np.ndarray) -> float:

@@ -56,8 +56,9 @@ class DryRunIn(BaseModel):
     limit: int = Field(500, ge=1, le=10_000, description="the most recent requests to replay")
 
 
-def validate_policy(body: dict[str, Any], served: list[str]) -> Policy:
-    """The policy, or a 422 naming every bad field by its path."""
+def validate_policy(body: dict[str, Any], served: list[str], *, probe: bool) -> Policy:
+    """The policy, or a 422 naming every bad field by its path. `probe`: whether this gateway has a trained
+    answer probe (the `probe` check needs one)."""
     try:
         policy = Policy.model_validate(body)
     except ValidationError as exc:
@@ -65,7 +66,16 @@ def validate_policy(body: dict[str, Any], served: list[str]) -> Policy:
         raise _invalid(problems) from None
     if problems := policy.check_tiers(served):
         raise _invalid(problems)
+    if "probe" in policy.verifiers.checks and not probe:
+        why = "no answer probe is trained on this gateway (switchboard verifiers train-probe)"
+        raise _invalid([(("verifiers", "checks"), why)])
     return policy
+
+
+def served_policy(body: dict[str, Any], request: Request) -> Policy:
+    """`validate_policy` against what this gateway serves: its tiers, and whether it has a probe."""
+    pipeline = request.app.state.pipeline
+    return validate_policy(body, list(pipeline.engines), probe=pipeline.probe is not None)
 
 
 def _note(note: object) -> str:
@@ -101,7 +111,9 @@ async def current(tenant: TenantName, request: Request, principal: PolicyReader)
 async def update(tenant: TenantName, body: PolicyBody, request: Request, principal: AdminPrincipal) -> PolicyOut:
     t = await anyio.to_thread.run_sync(visible_tenant, request.app.state.db, principal, tenant)
     note = _note(body.pop("note", "")) if isinstance(body, dict) else ""
-    policy = validate_policy(body, list(request.app.state.pipeline.engines))
+    policy = validate_policy(
+        body, list(request.app.state.pipeline.engines), probe=request.app.state.pipeline.probe is not None
+    )
     store = request.app.state.policies
     try:
         version = await anyio.to_thread.run_sync(lambda: store.save(t.id, policy, principal.actor, note))
@@ -133,7 +145,9 @@ async def dry_run(tenant: TenantName, body: DryRunIn, request: Request, principa
     """Replay the tenant's most recent requests under `policy`: what it would refuse, cap and cost."""
     db = request.app.state.db
     t = await anyio.to_thread.run_sync(visible_tenant, db, principal, tenant)
-    policy = validate_policy(body.policy, list(request.app.state.pipeline.engines))
+    policy = validate_policy(
+        body.policy, list(request.app.state.pipeline.engines), probe=request.app.state.pipeline.probe is not None
+    )
 
     def rows() -> list[Usage]:
         with db.session() as s:

@@ -22,7 +22,7 @@ from fastapi.templating import Jinja2Templates
 from sqlalchemy.exc import IntegrityError
 
 from gateway import audit, reports
-from gateway.api.policies import validate_policy
+from gateway.api.policies import served_policy
 from gateway.auth import visible_tenant
 from gateway.console.chart import cost_chart, usd
 from gateway.console.session import (
@@ -291,7 +291,7 @@ async def save_policy(request: Request, principal: AdminUser, form: Posted, t: A
     if not isinstance(body, dict):
         return await _policy_page(request, t, text, 422, errors=[{"param": None, "message": "must be a JSON object"}])
     try:
-        validated = validate_policy(body, list(request.app.state.pipeline.engines))
+        validated = served_policy(body, request)
     except APIError as exc:
         errors = exc.details or [{"param": exc.param, "message": exc.message}]
         return await _policy_page(request, t, text, exc.status, errors=errors, note=note)
