@@ -8,10 +8,15 @@
     rest once the vote has converged, and a confidence-weighted vote of the traces that ended by
     themselves. Tokens are every completion token generated, pruned traces' included.
 (b) Cascade: the small tier's greedy answer, escalated to the large tier when it has no final number or
-    its mean token confidence (DeepConf's, top-5) is below a threshold picked on 50 *other* problems to
-    escalate `--escalate-share` of them; against the large tier's greedy answer on every problem. Costs
-    use the default policy's prices (small $0.10/$0.40, large $0.50/$2.00 per million prompt/completion
-    tokens); greedy decoding is deterministic, so the cascade's large answers are the always-large ones.
+    a check fails; against the large tier's greedy answer on every problem. Three checks: `confidence`,
+    the answer's mean token confidence (DeepConf's, top-5) below a threshold picked on 50 *other*
+    problems to escalate `--escalate-share` of them; `probe`, the learned answer probe's P(right) below
+    its own threshold (retrained here on `switchboard verifiers train-probe`'s graded answers minus every
+    GSM8K problem this bench uses; skipped where that command has not run); `oracle`, a perfect check of
+    the small answer (the bound any check can reach). `cascade_acc`/`cascade_cost_ratio` are the probe's
+    where it ran, else confidence's. Costs use the default policy's prices (small $0.10/$0.40, large
+    $0.50/$2.00 per million prompt/completion tokens); greedy decoding is deterministic, so the cascade's
+    large answers are the always-large ones.
 
 Every problem's result is appended to a JSONL file per run in `--out` (default
 `~/.cache/switchboard/bench-verifiers`), so an interrupted run resumes. Accuracy is against GSM8K's
@@ -32,7 +37,7 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
-from common import say  # noqa: F401, E402  (also checks OMP_NUM_THREADS)
+from common import say  # noqa: E402  (also checks OMP_NUM_THREADS)
 
 # This script is named like the `verifiers` package: keep its directory off the path, the repository on it.
 sys.path[:] = [str(BENCH.parent), *(p for p in sys.path if Path(p or ".").resolve() != BENCH)]
@@ -53,7 +58,6 @@ def main() -> None:
     from engines.quality import GSM8K_INSTRUCTION, extract_answer, load_gsm8k, reference_answer
     from gateway.settings import Settings
     from gateway.tiers import load_engines
-    from policies.policy import DEFAULT_PRICES
 
     settings = Settings()
     engines = load_engines(settings)
@@ -94,34 +98,75 @@ def main() -> None:
         large_runs = run_part(args.out / "greedy_large.jsonl", evaluated, greedy(large), large, "large")
         confs = sorted(r["confidence"] for r in calib)
         threshold = confs[min(int(args.escalate_share * len(confs)), len(confs) - 1)]
-        price_s, price_l = DEFAULT_PRICES["small"], DEFAULT_PRICES["large"]
-
-        def cost(r: dict, price: object) -> Decimal:
-            tokens = r["prompt_tokens"] * price.prompt + r["completion_tokens"] * price.completion  # type: ignore[attr-defined]
-            return tokens / 1_000_000
-
-        casc_correct, casc_cost, large_cost, escalated = [], Decimal(0), Decimal(0), 0
-        for s, lg, p in zip(small_runs, large_runs, evaluated, strict=True):
-            large_cost += cost(lg, price_l)
-            casc_cost += cost(s, price_s)
-            if extract_answer(s["text"]) is None or s["confidence"] < threshold:
-                escalated += 1
-                casc_cost += cost(lg, price_l)
-                casc_correct.append(lg["answer"] == expected(p))
-            else:
-                casc_correct.append(s["answer"] == expected(p))
+        no_number = [extract_answer(r["text"]) is None for r in small_runs]
+        small_right = [r["answer"] == expected(p) for r, p in zip(small_runs, evaluated, strict=True)]
+        rules = {"confidence": [n or r["confidence"] < threshold for n, r in zip(no_number, small_runs, strict=True)]}
+        probe = answer_probe(settings, args.problems + len(calibration))
+        if probe is not None:
+            p_right = probe.p_correct([(f"{p['question']}\n{GSM8K_INSTRUCTION}", r["text"]) for r, p in
+                                       zip(small_runs, evaluated, strict=True)])  # fmt: skip
+            cut = probe.metadata["threshold"]
+            rules["probe"] = [n or float(q) < cut for n, q in zip(no_number, p_right, strict=True)]
+            result["probe_auc"] = round(auc(small_right, p_right), 4)
+        rules["oracle"] = [not right for right in small_right]  # a perfect check of the small answer
         result |= {
             "small_acc": round(accuracy(small_runs, evaluated, "answer"), 4),
             "large_acc": round(accuracy(large_runs, evaluated, "answer"), 4),
-            "cascade_acc": round(mean(casc_correct), 4),
-            "cascade_cost_ratio": round(float(casc_cost / large_cost), 4),
-            "escalated": round(escalated / len(evaluated), 4),
             "confidence_threshold": round(threshold, 4),
         }
+        for name, escalate in rules.items():
+            acc, ratio = cascade(small_runs, large_runs, evaluated, escalate)
+            result |= {f"cascade_{name}_acc": round(acc, 4), f"cascade_{name}_cost_ratio": round(ratio, 4),
+                       f"cascade_{name}_escalated": round(mean(escalate), 4)}  # fmt: skip
+        chosen = "probe" if probe is not None else "confidence"  # the learned verifier where there is one
+        result |= {"cascade": chosen, "cascade_acc": result[f"cascade_{chosen}_acc"],
+                   "cascade_cost_ratio": result[f"cascade_{chosen}_cost_ratio"]}  # fmt: skip
     print("| metric | value |\n|---|---:|")
     for k, v in result.items():
         print(f"| {k} | {v} |")
     print(json.dumps({"problems": args.problems, "n": args.n, **result}))
+
+
+def answer_probe(settings: object, skip: int) -> object | None:
+    """The answer probe, retrained here on `switchboard verifiers train-probe`'s graded answers minus any
+    GSM8K problem this bench uses (the first `skip`); None where that command has not run."""
+    from router_model.encoder import RouterEncoder
+    from router_model.label import tier_model
+    from verifiers.probe_data import ANSWERS_FILE, answered, train_from_answers
+
+    path = settings.probe_path / ANSWERS_FILE  # type: ignore[attr-defined]
+    rows = list(answered(path, tier_model(settings.tiers["small"])).values()) if path.exists() else []  # type: ignore[attr-defined]
+    if not rows:
+        say(f"no probe answers at {path}: run `switchboard verifiers train-probe` for the probe cascade")
+        return None
+    used = {f"gsm8k/{i}" for i in range(skip)}
+    probe = train_from_answers(rows, RouterEncoder(), exclude=used.__contains__)
+    say(f"probe: {probe.metadata['n_train']} answers, out-of-fold AUC {probe.metadata['cv_auc']:.3f}")
+    return probe
+
+
+def cascade(small: list[dict], large: list[dict], problems: list[dict], escalate: list[bool]) -> tuple[float, float]:
+    """Accuracy and cost against always-large of answering on the small tier and escalating where told.
+    Costs use the default policy's prices; an escalated problem pays for both answers."""
+    from engines.quality import reference_answer
+    from policies.policy import DEFAULT_PRICES
+
+    def cost(r: dict, tier: str) -> Decimal:
+        price = DEFAULT_PRICES[tier]
+        return (r["prompt_tokens"] * price.prompt + r["completion_tokens"] * price.completion) / 1_000_000
+
+    right, spent, always_large = [], Decimal(0), Decimal(0)
+    for s, lg, p, up in zip(small, large, problems, escalate, strict=True):
+        always_large += cost(lg, "large")
+        spent += cost(s, "small") + (cost(lg, "large") if up else 0)
+        right.append((lg if up else s)["answer"] == reference_answer(p["answer"]))
+    return mean(right), float(spent / always_large)
+
+
+def auc(labels: list[bool], scores: object) -> float:
+    from sklearn.metrics import roc_auc_score
+
+    return float(roc_auc_score(labels, scores))
 
 
 def accuracy(rows: list[dict], problems: list[dict], key: str) -> float:

@@ -164,6 +164,7 @@ def _parser() -> argparse.ArgumentParser:
     vprobe.add_argument("--out", metavar="DIR", help="the probe's directory (default: HOME/probe)")
     vprobe.add_argument("--tier", default="small", help="the tier whose answers it judges (default: small)")
     vprobe.add_argument("--max-tokens", type=int, default=512, metavar="N", help="longest answer (as labeled)")
+    vprobe.add_argument("--sources", nargs="+", choices=("gsm8k", "humaneval"), help="default: both")
     vprobe.set_defaults(handler=_verifiers_train_probe)
     return p
 
@@ -426,7 +427,15 @@ def _verifiers_train_probe(args: argparse.Namespace) -> int:
     from gateway.tiers import load_engines
     from router_model.encoder import RouterEncoder
     from router_model.label import DEFAULT_OUT, tier_model
-    from verifiers.probe_data import ANSWERS_FILE, answer_items, answered, labeled_items, summary, train_from_answers
+    from verifiers.probe_data import (
+        ANSWERS_FILE,
+        SOURCES,
+        answer_items,
+        answered,
+        labeled_items,
+        summary,
+        train_from_answers,
+    )
 
     if args.tier not in settings.tiers or settings.tiers[args.tier].is_remote:
         raise _Failure(f"no in-process tier {args.tier!r}; the tiers are {', '.join(settings.tiers)}")
@@ -434,10 +443,12 @@ def _verifiers_train_probe(args: argparse.Namespace) -> int:
     labels = Path(args.labels).expanduser() if args.labels else DEFAULT_OUT
     tier = settings.tiers[args.tier]
     try:
-        items, answers, model = labeled_items(labels, settings.home_dir), directory / ANSWERS_FILE, tier_model(tier)
-        engine = None
-        if any(item.id not in answered(answers, model) for item in items):  # load the tier only to answer
-            engine = load_engines(settings.model_copy(update={"tiers": {args.tier: tier}}))[args.tier].engine  # type: ignore[attr-defined]
+        items = labeled_items(labels, settings.home_dir, args.sources or SOURCES)
+        answers, model = directory / ANSWERS_FILE, tier_model(tier)
+        done, engine = answered(answers, model), None
+        if any(item.id not in done for item in items):  # load the tier only to answer
+            only = settings.model_copy(update={"tiers": {args.tier: tier}})
+            engine = load_engines(only)[args.tier].engine  # type: ignore[attr-defined]
         rows = answer_items(engine, model, items, answers, max_tokens=args.max_tokens)
         probe = train_from_answers(rows, RouterEncoder())
     except (OSError, ValueError) as exc:

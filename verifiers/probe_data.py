@@ -30,9 +30,10 @@ SOURCES = ("gsm8k", "humaneval")
 ANSWERS_FILE = "answers.jsonl"
 
 
-def labeled_items(labels: Path, home: Path) -> list[Item]:
-    """The gradable items (GSM8K, HumanEval) that `labels` has rows for, in the label file's order."""
-    ids = list(dict.fromkeys(r["id"] for r in read_rows(labels) if r.get("source") in SOURCES))
+def labeled_items(labels: Path, home: Path, sources: Iterable[str] = SOURCES) -> list[Item]:
+    """The gradable items (of `sources`: GSM8K, HumanEval) that `labels` has rows for, in its order."""
+    wanted = set(sources) & set(SOURCES)
+    ids = list(dict.fromkeys(r["id"] for r in read_rows(labels) if r.get("source") in wanted))
     try:
         found = items_by_id(home, ids)
     except KeyError as exc:
