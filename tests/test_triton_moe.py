@@ -1,0 +1,177 @@
+"""The fused-MoE Triton kernels (`engines.triton_moe`) under the interpreter, against `SparseMoE.forward`.
+
+Tiny shapes (H 32, I 16/24, E 4, k 2) keep the interpreter fast; T = 1 leaves experts unused (no tiles for
+them), T = 40 gives an expert several tiles, I = 24 leaves a partial K tile in the down GEMM. Each kernel
+has mutants showing the comparison catches a broken kernel. bf16 is skipped: the interpreter cannot run it.
+"""
+
+from __future__ import annotations
+
+import triton_support  # isort: skip  (first: it sets TRITON_INTERPRET before the kernel module is imported)
+
+import pytest
+import torch
+
+from engines import triton_moe
+from engines.model_config import ModelConfig
+from engines.models.moe import SparseMoE
+from engines.quantize import quantize
+
+H, E, K = 32, 4, 2
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3}
+
+
+def tiny_moe(inter: int, *, shared: int = 0, seed: int = 0) -> SparseMoE:
+    """A random-weight SparseMoE: Mixtral-style (renormalised top-k), or Qwen2-MoE with a shared expert."""
+    cfg = ModelConfig(
+        architecture="Qwen2MoeForCausalLM" if shared else "MixtralForCausalLM",
+        vocab_size=16,
+        hidden_size=H,
+        intermediate_size=inter,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        num_experts=E,
+        num_experts_per_tok=K,
+        moe_intermediate_size=inter,
+        shared_expert_intermediate_size=shared,
+        norm_topk_prob=False,
+    )
+    moe = SparseMoE(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+    return moe
+
+
+def experts_only(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
+    """The oracle: SparseMoE.forward less its shared expert (which fused_moe does not compute)."""
+    out = moe(x)
+    if moe.shared_expert is not None:
+        shared = moe.shared_expert(x)
+        if moe.shared_expert_gate is not None:
+            shared = torch.sigmoid(moe.shared_expert_gate(x)) * shared
+        out = out - shared
+    return out
+
+
+def rel_err(moe: SparseMoE, x: torch.Tensor) -> float:
+    with torch.no_grad():
+        ref = experts_only(moe, x)
+        out = triton_moe.fused_moe(x, *triton_moe.stacked_expert_weights(moe), *moe.route(x))
+    assert out.shape == ref.shape and out.dtype == x.dtype
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def inputs(tokens: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
+    return torch.randn(tokens, H, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def test_kernels_run_under_the_interpreter() -> None:
+    assert triton_support.interpreted(triton_moe._grouped_gemm_kernel)
+    assert triton_support.interpreted(triton_moe._silu_mul_kernel)
+
+
+@pytest.mark.parametrize("block_m", [4, 16])
+@pytest.mark.parametrize("tokens", [1, 5, 13])
+def test_align_by_expert(tokens: int, block_m: int) -> None:
+    ids = torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(t))[:K] for t in range(tokens)])
+    sentinel = tokens * K
+    pairs, expert_of_block, num_padded = triton_moe.align_by_expert(ids, E, block_m)
+    assert pairs.dtype == expert_of_block.dtype == torch.int32
+    assert pairs.shape == (num_padded,) and num_padded % block_m == 0
+    assert expert_of_block.shape == (num_padded // block_m,)
+    real = pairs[pairs != sentinel]
+    assert sorted(real.tolist()) == list(range(sentinel))  # every pair exactly once
+    flat = ids.flatten()
+    counts = torch.bincount(flat, minlength=E)
+    # Just enough padding: each used expert rounds up to a tile, an unused one gets none.
+    assert num_padded == sum(-(-c // block_m) * block_m for c in counts.tolist())
+    assert expert_of_block.tolist() == sorted(expert_of_block.tolist())
+    for b, expert in enumerate(expert_of_block.tolist()):
+        tile = pairs[b * block_m : (b + 1) * block_m]
+        tile_real = tile[tile != sentinel]
+        assert len(tile_real) > 0 and (flat[tile_real.long()] == expert).all()  # one expert per tile
+        assert (tile[: len(tile_real)] != sentinel).all()  # padding only after the expert's pairs
+        assert tile_real.tolist() == sorted(tile_real.tolist())  # stable: in token order
+    if tokens == 1:
+        assert set(expert_of_block.tolist()) == set(ids.flatten().tolist())  # unused experts: no tiles
+
+
+BF16_SKIP = (
+    "the Triton interpreter stores bf16 as uint16 and its tl.dot multiplies the raw bit patterns (~1e10 error; "
+    "triton-lang/triton#11584, not supported there): bf16 can only be checked on a GPU"
+)
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.skip(reason=BF16_SKIP))],
+    ids=["fp32", "fp16", "bf16"],
+)
+@pytest.mark.parametrize(("tokens", "inter"), [(1, 16), (5, 24), (13, 16), (40, 16)])
+def test_fused_moe_matches_sparse_moe(tokens: int, inter: int, dtype: torch.dtype) -> None:
+    moe = tiny_moe(inter).to(dtype)
+    x = inputs(tokens, dtype)
+    used = torch.unique(moe.route(x)[1])
+    if tokens == 1:
+        assert len(used) < E  # some expert has no tiles at all
+    if tokens == 40:  # 80 pairs: some expert spans several BLOCK_M tiles
+        assert torch.bincount(moe.route(x)[1].flatten()).max() > triton_moe.BLOCK_M
+    assert rel_err(moe, x) < TOLERANCE[dtype]
+
+
+def test_fused_moe_with_shared_expert_and_unnormalised_weights() -> None:
+    # Qwen2-MoE with norm_topk_prob off: routing weights do not sum to 1, so a dropped weight would show.
+    moe = tiny_moe(16, shared=32, seed=2)
+    assert rel_err(moe, inputs(7, torch.float32, seed=3)) < 1e-5
+
+
+def test_no_tokens() -> None:
+    moe = tiny_moe(16)
+    x = inputs(0, torch.float32)
+    out = triton_moe.fused_moe(x, *triton_moe.stacked_expert_weights(moe), *moe.route(x))
+    assert out.shape == (0, H)
+
+
+def test_stacked_expert_weights_layout_and_quantized_experts() -> None:
+    moe = tiny_moe(16)
+    w_gate_up, w_down = triton_moe.stacked_expert_weights(moe)
+    assert w_gate_up.shape == (E, 32, H) and w_down.shape == (E, H, 16)
+    assert torch.equal(w_gate_up[2], moe.experts[2].gate_up_proj.weight)
+    assert torch.equal(w_down[3], moe.experts[3].down_proj.weight)
+    lin = moe.experts[1].gate_up_proj  # K = H = 32: a shape the int8 kernels take
+    lin.set_quantized(quantize(lin.weight.detach(), "int8"), torch.float32)
+    with pytest.raises(ValueError, match="quantized"):
+        triton_moe.stacked_expert_weights(moe)
+
+
+GEMM_MUTANTS = {
+    "routing weight not applied": ("acc = acc * scale[:, None]", "acc = acc"),
+    "every tile reads expert 0": ("expert * stride_we", "0 * stride_we"),
+    "token row = pair % k": ("rows = pairs // ROWS_PER_A", "rows = pairs % ROWS_PER_A"),
+    "last K tile dropped": ("range(0, tl.cdiv(K, BLOCK_K))", "range(0, K // BLOCK_K)"),
+}
+SILU_MUTANTS = {
+    "no silu": ("gate * tl.sigmoid(gate) * up", "gate * up"),
+    "up read from the gate half": ("row * stride_gm + inter + offs", "row * stride_gm + offs"),
+}
+
+
+@pytest.mark.parametrize(("name", "kernel", "edit"), [
+    *((name, "_grouped_gemm_kernel", edit) for name, edit in GEMM_MUTANTS.items()),
+    *((name, "_silu_mul_kernel", edit) for name, edit in SILU_MUTANTS.items()),
+])  # fmt: skip
+def test_broken_kernels_fail(name: str, kernel: str, edit: tuple[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    # T = 5 (every gathered row stays in bounds for the pair % k mutant); I = 24: a partial K tile in GEMM 2.
+    moe, x = tiny_moe(24, shared=32, seed=2), inputs(5, torch.float32, seed=3)
+    assert rel_err(moe, x) < 1e-5
+    monkeypatch.setattr(triton_moe, kernel, triton_support.mutant(triton_moe, kernel, *edit))
+    assert rel_err(moe, x) > 1e-2, name
