@@ -2,17 +2,16 @@
 
 Tensors are flat over tokens: (num_tokens, ...) with no batch dimension, so a later batch of many
 sequences is just more rows. Numerics follow HF transformers (norms in fp32, RoPE tables in fp32).
-Where our CPU library builds, the residual add with its norm, RoPE and SiLU·mul each run as one fused
-call (`engines.cpu_ops`, which rounds as these torch forms do); the torch forms stay the fallback.
+The residual add with its norm, RoPE and SiLU·mul run on the device's backend (`engines.backends`): fused
+calls of our CPU library or Triton kernels where they apply, the torch reference otherwise.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from engines import cpu_ops
+from engines.backends import backend_for
 from engines.linear import Linear
 
 
@@ -28,12 +27,7 @@ class RMSNorm(nn.Module):
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(r), r) for r = residual + x (the pre-norm decoder's residual stream; r = x without one).
         The fused path updates `residual` in place."""
-        if cpu_ops.usable(x, x.shape[-1]) and x.dim() == 2:
-            return cpu_ops.add_rms_norm(x, self.weight, self.eps, residual)
-        r = x if residual is None else residual + x
-        h = r.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(r.dtype), r
+        return backend_for(x).add_rms_norm(x, self.weight, self.eps, residual)
 
 
 class RotaryEmbedding(nn.Module):
@@ -72,12 +66,8 @@ def rotate(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE on q (tokens, q_heads·D) and k (tokens, k_heads·D) → (tokens, heads, D) each. The fused
     path rotates them in place (they are views of the qkv projection's output)."""
-    n = q.shape[0]
     cos, sin = rope
-    if cpu_ops.usable(q, head_dim // 2) and q.stride(-1) == 1 and k.stride(-1) == 1 and q.stride(0) == k.stride(0):
-        cpu_ops.rope_(q, k, cos, sin, head_dim)
-        return q.view(n, -1, head_dim), k.view(n, -1, head_dim)
-    return apply_rotary(q.view(n, -1, head_dim), cos, sin), apply_rotary(k.view(n, -1, head_dim), cos, sin)
+    return backend_for(q).rotate(q, k, cos, sin, head_dim)
 
 
 class SwiGLU(nn.Module):
@@ -91,7 +81,4 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if cpu_ops.usable(gate_up, self.intermediate):
-            return self.down_proj(cpu_ops.silu_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(backend_for(gate_up).silu_mul(gate_up, self.intermediate))

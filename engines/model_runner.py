@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engines import cpu_attention
-from engines.attention import AttentionMetadata, TorchPagedAttention
+from engines.attention import AttentionMetadata
+from engines.backends import backend_for
 from engines.kv_cache import PagedKVCache
 from engines.linear import Linear
 from engines.models.llama import LlamaForCausalLM
@@ -38,9 +38,7 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache) -> None:
         self.model = model
         self.cache = cache
-        cfg = model.config
-        native = cpu_attention.supports(cache, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
-        self.backend = cpu_attention.NativePagedAttention(cache) if native else TorchPagedAttention(cache)
+        self.backend = backend_for(cache.buffer).attention(cache, model.config)
         # Float models pad a lone token to two rows (below). Our quantized kernels compute every row
         # alone whatever the row count, so padding would only double their work (~20% of a step).
         self.pad_lone = model.weights_format == "bf16"

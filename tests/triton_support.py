@@ -16,7 +16,7 @@ from types import ModuleType
 
 os.environ["TRITON_INTERPRET"] = "1"
 
-import pytest  # noqa: E402
+import pytest
 
 triton = pytest.importorskip("triton", reason="Triton is not installed")
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engines.backends import backend_for
 from engines.layers import SwiGLU
 from engines.linear import Linear
 from engines.model_config import ModelConfig
@@ -47,25 +48,32 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
-        out = torch.zeros_like(x)
-        flat = ids.flatten()
-        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
-        tokens = order // self.top_k
-        scale = weights.flatten()[order].unsqueeze(1)
-        start = 0
-        for expert, count in enumerate(torch.bincount(flat, minlength=self.num_experts).tolist()):
-            if not count:
-                continue
-            rows = tokens[start : start + count]
-            y = _run(self.experts[expert], x[rows]) * scale[start : start + count]
-            out.index_add_(0, rows, y)
-            start += count
+        out = backend_for(x).moe_experts(self, x, weights, ids)
         if self.shared_expert is not None:
             shared = _run(self.shared_expert, x)
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             out += shared
         return out
+
+
+def grouped_experts(moe: SparseMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Σ over each token's chosen experts of weight × expert(x): the (token, expert) pairs sorted by expert,
+    each expert run once on all of its tokens, results added back into their rows (the torch path)."""
+    out = torch.zeros_like(x)
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+    tokens = order // moe.top_k
+    scale = weights.flatten()[order].unsqueeze(1)
+    start = 0
+    for expert, count in enumerate(torch.bincount(flat, minlength=moe.num_experts).tolist()):
+        if not count:
+            continue
+        rows = tokens[start : start + count]
+        y = _run(moe.experts[expert], x[rows]) * scale[start : start + count]
+        out.index_add_(0, rows, y)
+        start += count
+    return out
 
 
 def _run(mlp: SwiGLU, x: torch.Tensor) -> torch.Tensor:

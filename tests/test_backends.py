@@ -1,0 +1,61 @@
+"""The backend interface: one place picks each op's implementation by device, and the whole model runs
+through the Triton kernels (under the interpreter, on the CPU) with the torch reference's tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import triton_support  # noqa: F401  (before any kernel module: TRITON_INTERPRET)
+
+from engines.backends import CpuBackend, TorchBackend, TritonBackend, backend_for, use
+from engines.engine import Engine, EngineConfig
+from engines.offline import complete_all
+from engines.request import EngineRequest
+from engines.sampling import SamplingParams
+from tiny import tiny_hf_model
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2_moe"])
+def tiny_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_hf_model(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def test_backends_are_picked_by_device_and_can_be_swapped() -> None:
+    assert isinstance(backend_for(torch.zeros(1)), CpuBackend)
+    assert isinstance(backend_for("cuda"), TritonBackend)  # by device type: no GPU needed to pick
+    use("cpu", TorchBackend())
+    try:
+        assert backend_for(torch.zeros(1)).name == "torch"
+    finally:
+        use("cpu", None)
+    assert backend_for("cpu").name == "cpu"
+
+
+def generate(model_dir: Path, backend: TorchBackend) -> tuple[list[str], Engine]:
+    """Greedy answers of prompts of different lengths in one batch (prefill chunks beside decodes), all
+    model code on `backend`; and the engine."""
+    use("cpu", backend)
+    try:
+        engine = Engine.from_dir(model_dir, dtype="fp32", config=EngineConfig(kv_cache_bytes=1 << 21, block_size=8))
+        prompts = [list(range(1 + i, 4 + 7 * i)) for i in range(3)]
+        requests = [
+            EngineRequest(f"r{i}", p, SamplingParams(max_tokens=5, temperature=0.0)) for i, p in enumerate(prompts)
+        ]
+        done = {c.request_id: c.text for c in complete_all(engine, requests)}
+        return [done[f"r{i}"] for i in range(len(prompts))], engine
+    finally:
+        use("cpu", None)
+
+
+def test_the_triton_backend_serves_the_torch_reference_tokens(tiny_dir: Path) -> None:
+    from engines.models.moe import SparseMoE
+
+    reference, torch_engine = generate(tiny_dir, TorchBackend())
+    ours, triton_engine = generate(tiny_dir, TritonBackend())
+    assert type(torch_engine.runner.backend).__name__ == "TorchPagedAttention"
+    assert type(triton_engine.runner.backend).__name__ == "TritonPagedAttention"
+    moes = [m for m in triton_engine.model.modules() if isinstance(m, SparseMoE)]
+    assert all(hasattr(m, "_triton_stacked") for m in moes)  # the fused MoE kernel ran (MoE models)
+    assert ours == reference and all(reference)
