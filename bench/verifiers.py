@@ -13,8 +13,8 @@
     problems to escalate `--escalate-share` of them; `probe`, the learned answer probe's P(right) below
     its own threshold (retrained here on `switchboard verifiers train-probe`'s graded answers minus every
     GSM8K problem this bench uses; skipped where that command has not run); `oracle`, a perfect check of
-    the small answer (the bound any check can reach). `cascade_acc`/`cascade_cost_ratio` are the probe's
-    where it ran, else confidence's. Costs use the default policy's prices (small $0.10/$0.40, large
+    the small answer (the bound any check of it can reach). `cascade_acc`/`cascade_cost_ratio` are those of
+    the more accurate real check (`cascade` names it). Costs use the default policy's prices (small $0.10/$0.40, large
     $0.50/$2.00 per million prompt/completion tokens); greedy decoding is deterministic, so the cascade's
     large answers are the always-large ones.
 
@@ -118,7 +118,7 @@ def main() -> None:
             acc, ratio = cascade(small_runs, large_runs, evaluated, escalate)
             result |= {f"cascade_{name}_acc": round(acc, 4), f"cascade_{name}_cost_ratio": round(ratio, 4),
                        f"cascade_{name}_escalated": round(mean(escalate), 4)}  # fmt: skip
-        chosen = "probe" if probe is not None else "confidence"  # the learned verifier where there is one
+        chosen = max((n for n in rules if n != "oracle"), key=lambda n: result[f"cascade_{n}_acc"])  # the better check
         result |= {"cascade": chosen, "cascade_acc": result[f"cascade_{chosen}_acc"],
                    "cascade_cost_ratio": result[f"cascade_{chosen}_cost_ratio"]}  # fmt: skip
     print("| metric | value |\n|---|---:|")

@@ -125,6 +125,17 @@ class AttentionMetadata:
         slot_mapping = torch.cat(slots) if slots else torch.empty(0, dtype=torch.long)
         return cls(slot_mapping, tuple(groups), tuple(extends), RowTables.build(block_tables, num_computed, num_new))
 
+    def to(self, device: torch.device | str) -> AttentionMetadata:
+        """The same metadata on `device` (itself on the CPU): moved once per step, not once per layer."""
+        if torch.device(device).type == "cpu":
+            return self
+        groups = tuple(
+            DecodeGroup(g.start, g.end, g.block_tables.to(device), g.mask.to(device)) for g in self.decode_groups
+        )
+        extends = tuple(ExtendSpan(e.start, e.num_new, e.num_computed, e.block_ids.to(device)) for e in self.extends)
+        rows = RowTables(self.rows.tables.to(device), self.rows.row_table.to(device), self.rows.row_len.to(device))
+        return AttentionMetadata(self.slot_mapping.to(device), groups, extends, rows)
+
 
 class AttentionBackend(Protocol):
     def forward(
@@ -207,13 +218,14 @@ class TorchPagedAttention:
                 v_scales.index_select(1, span.block_ids).view(kv_heads, -1),
             )
         folded = q.view(n, kv_heads, group, dim).permute(1, 0, 2, 3)  # (kv_heads, n, group, dim)
-        out = torch.empty(kv_heads, n, group, dim, dtype=q.dtype)
+        out = torch.empty(kv_heads, n, group, dim, dtype=q.dtype, device=q.device)
         for lo in range(0, n, EXTEND_ROWS):  # causal: a block of rows needs keys up to its end only
             hi = min(n, lo + EXTEND_ROWS)
             first, last = span.num_computed + lo, span.num_computed + hi  # positions [first, last)
             width = -(-last // WIDTH_MULTIPLE) * WIDTH_MULTIPLE
             rows = folded[:, lo:hi].reshape(kv_heads, (hi - lo) * group, dim)
-            allowed = torch.arange(width) <= torch.arange(first, last).repeat_interleave(group).unsqueeze(1)
+            ahead = torch.arange(first, last, device=q.device).repeat_interleave(group).unsqueeze(1)
+            allowed = torch.arange(width, device=q.device) <= ahead
             cut = None if scales is None else (scales[0][:, :width], scales[1][:, :width])
             block = _attend(rows, keys[:, :width], values[:, :width], allowed, cut)
             out[:, lo:hi] = block.view(kv_heads, hi - lo, group, dim)

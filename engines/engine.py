@@ -82,6 +82,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # default: the model's own context
     kv_cache_dtype: str = "auto"  # "auto": the model dtype; "int8": per-vector scales, ~2x the blocks
+    cuda_graphs: bool = True  # on CUDA: decode steps replay captured graphs (ignored elsewhere)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
 
@@ -148,14 +149,16 @@ class Engine:
         num_blocks = (kv_budget.total_bytes if kv_budget else config.kv_cache_bytes) // per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} holds no block of {per_block} bytes")
+        graphs = config.cuda_graphs and model.device.type == "cuda"
         self.cache = PagedKVCache(
             cfg.num_hidden_layers,
             cfg.num_key_value_heads,
             cfg.head_dim,
-            num_blocks,
+            num_blocks + graphs,  # CUDA graphs: one scratch block past the manager's, for padding rows
             config.block_size,
             self.dtype,
             kv_dtype,
+            device=model.device,
         )
         owner = name or cfg.architecture
         self.block_manager = BlockManager(
@@ -179,6 +182,8 @@ class Engine:
             restore=None if self.kv_tier is None else self.kv_tier.restore,
         )
         self.runner = ModelRunner(model, self.cache)
+        if graphs:
+            self.runner.enable_cuda_graphs(num_blocks, -(-self.max_model_len // config.block_size))
         # The model is part of every block hash: a shared pool never mixes two models' keys.
         self.salt = name or f"{cfg.architecture}:{cfg.hidden_size}x{cfg.num_hidden_layers}:{self.dtype}"
         self.speculator = self._speculator(config.speculative, draft_model)
@@ -223,11 +228,13 @@ class Engine:
         draft_weights: str | None = None,
         kv_budget: KVBudget | None = None,
         kv_tier: KVTier | None = None,
+        device: str = "cpu",
     ) -> Engine:
         """`weights`: None serves the directory as stored, "int8"/"int4" quantize while loading;
-        `draft_dir`/`draft_weights`: the draft model for speculative method "draft"."""
-        draft = None if draft_dir is None else load_model(draft_dir, dtype, draft_weights)
-        model = load_model(model_dir, dtype, weights)
+        `draft_dir`/`draft_weights`: the draft model for speculative method "draft"; `device`: where the
+        models and the KV pool live (the sampler stays on the CPU)."""
+        draft = None if draft_dir is None else load_model(draft_dir, dtype, draft_weights, device=device)
+        model = load_model(model_dir, dtype, weights, device=device)
         return cls(
             model, Tokenizer(model_dir), config, name=name, draft_model=draft, kv_budget=kv_budget, kv_tier=kv_tier
         )

@@ -54,6 +54,7 @@ class PagedKVCache:
         block_size: int,
         dtype: torch.dtype,
         kv_dtype: torch.dtype | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -65,10 +66,12 @@ class PagedKVCache:
         # head, so a gathered context is one contiguous (tokens, head_dim) matrix per head.
         # Empty, so starting does not touch every page; `zero_blocks` clears a block before its first
         # use, because attention reads masked slots too and 0 × NaN garbage would be NaN.
-        self.buffer = torch.empty(num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim, dtype=kv_dtype)
+        self.buffer = torch.empty(
+            num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim, dtype=kv_dtype, device=device
+        )
         # int8 only: (layers, k|v, kv_heads, blocks, block_size), one scale per stored vector.
         self.scales = (
-            torch.empty(num_layers, 2, num_kv_heads, num_blocks, block_size, dtype=dtype)
+            torch.empty(num_layers, 2, num_kv_heads, num_blocks, block_size, dtype=dtype, device=device)
             if kv_dtype == torch.int8
             else None
         )
@@ -88,6 +91,7 @@ class PagedKVCache:
     def store(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write k/v (tokens, kv_heads, dim) of this layer into their slots, quantizing if int8."""
         kv_heads, dim = self.buffer.shape[2], self.buffer.shape[-1]
+        slot_mapping = slot_mapping.to(self.buffer.device)
         for i, x in enumerate((k, v)):
             if self.scales is not None:
                 x, scale = quantize(x, self.dtype)
@@ -95,7 +99,7 @@ class PagedKVCache:
             self.buffer[layer, i].view(kv_heads, -1, dim).index_copy_(1, slot_mapping, x.transpose(0, 1))
 
     def zero_blocks(self, block_ids: list[int]) -> None:
-        ids = torch.tensor(block_ids, dtype=torch.long)
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.buffer.device)
         self.buffer[:, :, :, ids] = 0
         if self.scales is not None:
             self.scales[:, :, :, ids] = 0

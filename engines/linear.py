@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engines import cpu_kernels
+from engines.backends import backend_for
 from engines.quantize import QuantizedWeight
 
 
@@ -45,6 +47,7 @@ def _mkldnn_bf16() -> bool:
 
 
 class Int8Kernel:
+    format = "int8"
     """Per-channel int8 weights.
 
     Where our kernels build: `engines.cpu_kernels.int8_linear` at every batch size, int8×int8 with
@@ -131,6 +134,7 @@ def _has_fbgemm() -> bool:
 
 
 class Int4Kernel:
+    format = "int4"
     """Group-wise int4 weights: our kernel where it builds, else torch's `_weight_int4pack_mm_for_cpu`
     (which dequantizes to float in the activation dtype: ~3x slower at one row here)."""
 
@@ -154,6 +158,18 @@ class Int4Kernel:
         return out if bias is None else out + bias
 
 
+class BackendKernel:
+    """A device backend's kernel for quantized weights (on CUDA: Triton's weight-only matmuls)."""
+
+    native = None  # not our CPU library
+
+    def __init__(self, qw: QuantizedWeight, run: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]) -> None:
+        self.format, self.nbytes, self.run = qw.format, qw.nbytes, run
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self.run(x, bias)
+
+
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per row (token): (codes (M, K) int8, scales (M, 1) fp32)."""
     xf = x.float()
@@ -169,13 +185,11 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: torch.Tensor | None = None
-        self.kernel: Int8Kernel | Int4Kernel | None = None
+        self.kernel: Int8Kernel | Int4Kernel | BackendKernel | None = None
 
     @property
     def format(self) -> str:
-        if isinstance(self.kernel, Int8Kernel):
-            return "int8"
-        return "int4" if isinstance(self.kernel, Int4Kernel) else "bf16"
+        return "bf16" if self.kernel is None else self.kernel.format
 
     def prepare(self, *, shared: bool = False) -> None:
         """Called once after the weights are loaded. `shared`: the weight is also used elsewhere."""
@@ -189,7 +203,11 @@ class Linear(nn.Module):
         """Serve from quantized weights; the float weight is dropped unless something else shares it."""
         if qw.shape != (self.out_features, self.in_features):
             raise ValueError(f"quantized weight {qw.shape} does not fit {self.out_features}x{self.in_features}")
-        self.kernel = Int8Kernel(qw, dtype) if qw.format == "int8" else Int4Kernel(qw, dtype)
+        run = backend_for(qw.q).weight_kernel(qw, dtype)  # the device's own kernel, if it has one
+        if run is not None:
+            self.kernel = BackendKernel(qw, run)
+        else:
+            self.kernel = Int8Kernel(qw, dtype) if qw.format == "int8" else Int4Kernel(qw, dtype)
         self.packed = None
         if not shared:
             self.weight = None

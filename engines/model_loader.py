@@ -34,9 +34,16 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 def load_model(
-    model_dir: str | Path, dtype: str | torch.dtype = "bf16", weights: str | None = None, *, prepare: bool = True
+    model_dir: str | Path,
+    dtype: str | torch.dtype = "bf16",
+    weights: str | None = None,
+    *,
+    prepare: bool = True,
+    device: str | torch.device = "cpu",
 ) -> LlamaForCausalLM:
-    """Load a HF directory or one of our quantized checkpoints.
+    """Load a HF directory or one of our quantized checkpoints, onto `device`. Weights are read (and
+    quantized) on the CPU, then moved; quantized ones go to the device before their layer picks a kernel,
+    so the device's backend (`engines.backends`) serves them.
 
     `weights`: None serves the directory as stored; "int8"/"int4" quantize a float checkpoint while
     loading (a quantized directory must match); "bf16" refuses a quantized directory.
@@ -48,10 +55,14 @@ def load_model(
     if weights not in (None, *WEIGHT_FORMATS):
         raise ValueError(f"weights {weights!r} is not supported; use one of {list(WEIGHT_FORMATS)}")
     if is_quantized_dir(model_dir):
-        return _load_quantized(model_dir, resolve_dtype(dtype), weights)
+        return _load_quantized(model_dir, resolve_dtype(dtype), weights, torch.device(device))
     model = _load_float(model_dir, resolve_dtype(dtype))
-    if weights in ("int8", "int4"):
-        apply_state(model, quantized_state(model, weights, calibration_ids(Tokenizer(model_dir))))
+    state = (
+        quantized_state(model, weights, calibration_ids(Tokenizer(model_dir))) if weights in ("int8", "int4") else {}
+    )
+    model = model.to(device)
+    if state:
+        apply_state(model, state)
     if prepare:
         model.prepare()
     return model
@@ -88,7 +99,7 @@ def _load_float(model_dir: Path, dtype: torch.dtype) -> LlamaForCausalLM:
     return model
 
 
-def _load_quantized(model_dir: Path, dtype: torch.dtype, weights: str | None) -> LlamaForCausalLM:
+def _load_quantized(model_dir: Path, dtype: torch.dtype, weights: str | None, device: torch.device) -> LlamaForCausalLM:
     from engines.quantized_checkpoint import load_state
 
     config, state = load_state(model_dir)
@@ -96,7 +107,7 @@ def _load_quantized(model_dir: Path, dtype: torch.dtype, weights: str | None) ->
         raise UnsupportedModelError(f"{model_dir} holds {config['weights']} weights, not {weights}")
     cfg = ModelConfig.from_dir(model_dir)
     skip = set(config["modules"]) | ({"lm_head"} if cfg.tie_word_embeddings else set())
-    model = _build(cfg, dtype, skip)
+    model = _build(cfg, dtype, skip).to(device)
     apply_state(model, state)
     model.prepare()
     return model
@@ -107,11 +118,12 @@ def apply_state(model: LlamaForCausalLM, state: dict) -> None:
     are dropped. Every parameter left must be covered, or the checkpoint does not fit the model."""
     from engines.quantize import QuantizedWeight
 
-    dtype = model.dtype
+    dtype, device = model.dtype, model.device
     params = dict(model.named_parameters())
     covered: set[str] = set()
     for name, value in state.items():
         if isinstance(value, QuantizedWeight):
+            value = value.to(device)
             module = model.get_submodule(name)
             module.set_quantized(value, dtype)
             covered.add(f"{name}.weight")

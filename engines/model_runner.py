@@ -18,6 +18,7 @@ import torch
 
 from engines.attention import AttentionMetadata
 from engines.backends import backend_for
+from engines.cuda_graphs import DecodeGraphs
 from engines.kv_cache import PagedKVCache
 from engines.linear import Linear
 from engines.models.llama import LlamaForCausalLM
@@ -44,6 +45,15 @@ class ModelRunner:
         self.pad_lone = model.weights_format == "bf16"
         self.vocab: torch.Tensor | None = None  # set with `restrict_vocab`: the only ids given logits
         self.head: Linear | None = None
+        self.graphs: DecodeGraphs | None = None  # CUDA only: see `enable_cuda_graphs`
+
+    def enable_cuda_graphs(self, scratch_block: int, max_blocks_per_seq: int) -> None:
+        """Replay decode steps from CUDA graphs; `scratch_block` is a cache block no sequence ever gets."""
+        from engines.cuda_graphs import DecodeGraphs
+
+        graphs = DecodeGraphs(self.model, self.backend, self.cache.block_size, scratch_block, max_blocks_per_seq)
+        graphs.capture()
+        self.graphs = None if graphs.disabled else graphs
 
     def restrict_vocab(self, ids: torch.Tensor) -> None:
         """Compute logits for `ids` only (a draft's cheap head); the rest read -inf."""
@@ -54,6 +64,14 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, chunks: list[Chunk]) -> torch.Tensor:
         """One forward over every chunk; float32 logits (Σ num_logits, vocab), in chunk order."""
+        if self.graphs is not None and all(len(c.token_ids) == 1 and c.num_logits == 1 for c in chunks):
+            bs = self.cache.block_size
+            slots = [c.block_ids[c.num_computed // bs] * bs + c.num_computed % bs for c in chunks]
+            hidden = self.graphs.run(
+                [c.token_ids[0] for c in chunks], [c.num_computed for c in chunks], [c.block_ids for c in chunks], slots
+            )
+            if hidden is not None:
+                return self._logits(hidden, len(chunks))
         # Decodes first, shortest context first, so attention pads each group of them the least.
         order = sorted(
             range(len(chunks)),
@@ -75,15 +93,20 @@ class ModelRunner:
         new = [len(chunks[i].token_ids) for i in order]
         if len(input_ids) == 1 and self.pad_lone:  # one row takes another matmul kernel: run it twice
             input_ids, positions, tables, computed, new = (x * 2 for x in (input_ids, positions, tables, computed, new))
-        meta = AttentionMetadata.build(self.cache.block_size, tables, computed, new)
-        hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), self.backend, meta)
+        device = self.model.device
+        meta = AttentionMetadata.build(self.cache.block_size, tables, computed, new).to(device)
+        ids, pos = torch.tensor(input_ids, device=device), torch.tensor(positions, device=device)
+        hidden = self.model(ids, pos, self.backend, meta)
         rows = [r for i in range(len(chunks)) for r in rows_of[i]]
         if not rows:
             return torch.empty(0, self.model.config.vocab_size)
         pad = len(rows) == 1 and self.pad_lone
-        hidden = hidden[rows * 2 if pad else rows]  # the lm_head: never one row
+        return self._logits(hidden[rows * 2 if pad else rows], len(rows))  # the lm_head: never one row
+
+    def _logits(self, hidden: torch.Tensor, n: int) -> torch.Tensor:
+        """Float32 logits of the first `n` rows of `hidden`, on the CPU (where the sampler runs)."""
         if self.head is None:
-            return self.model.compute_logits(hidden)[: len(rows)]
-        logits = torch.full((len(rows), self.model.config.vocab_size), float("-inf"))
-        logits[:, self.vocab] = self.head(hidden)[: len(rows)].float()
+            return self.model.compute_logits(hidden)[:n].cpu()
+        logits = torch.full((n, self.model.config.vocab_size), float("-inf"))
+        logits[:, self.vocab] = self.head(hidden)[:n].float().cpu()
         return logits

@@ -61,6 +61,11 @@ class QuantizedWeight:
         assert self.zeros is not None
         return ((codes - 8) * self.scales[..., None] + self.zeros[..., None]).view(n, k)
 
+    def to(self, device: torch.device | str) -> QuantizedWeight:
+        """The same weight with its tensors on `device`."""
+        moved = [None if t is None else t.to(device) for t in (self.q, self.scales, self.zeros, self.outliers)]
+        return QuantizedWeight(self.format, moved[0], moved[1], moved[2], self.group_size, moved[3])  # type: ignore[arg-type]
+
     def rows(self, index: torch.Tensor) -> QuantizedWeight:
         """The same weight with its output rows reordered (e.g. undoing llama.cpp's RoPE permutation)."""
         zeros = None if self.zeros is None else self.zeros[index]

@@ -30,6 +30,9 @@ class TierSettings(BaseModel):
 
     model: str = Field("smollm2-135m-instruct", description="registry model name or path to a HF directory")
     dtype: Literal["bf16", "fp32"] = "bf16"
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="where the model and its KV pool live; auto: CUDA where present (Triton kernels)"
+    )
     weights: Literal["bf16", "int8", "int4"] = Field(
         "bf16", description="linear weights: bf16, int8 (per channel) or int4 (groups of 32)"
     )

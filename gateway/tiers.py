@@ -7,6 +7,8 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+import torch
+
 from engines.async_engine import AsyncEngine
 from engines.engine import Engine, EngineConfig
 from engines.fetch import FetchError, fetch_model, is_fetched
@@ -146,8 +148,9 @@ def _load(settings: Settings, name: str, tier: TierSettings, draft: Engine | Non
         )
     elif tier.kv_tier:
         log.warning("tier %s: kv_tier needs redis_url; serving without it", name)
+    device = tier.device if tier.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     engine = Engine(
-        load_model(model_dir, tier.dtype, weights),
+        load_model(model_dir, tier.dtype, weights, device=device),
         tokenizer,
         engine_config(tier),
         name=tier.model,

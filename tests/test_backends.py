@@ -59,3 +59,25 @@ def test_the_triton_backend_serves_the_torch_reference_tokens(tiny_dir: Path) ->
     moes = [m for m in triton_engine.model.modules() if isinstance(m, SparseMoE)]
     assert all(hasattr(m, "_triton_stacked") for m in moes)  # the fused MoE kernel ran (MoE models)
     assert ours == reference and all(reference)
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_quantized_linears_take_the_device_backends_kernel(weights: str) -> None:
+    from engines.linear import BackendKernel, Linear
+    from engines.quantize import quantize_int4, quantize_int8
+
+    torch.manual_seed(0)
+    w = torch.randn(48, 64)
+    qw = quantize_int8(w) if weights == "int8" else quantize_int4(w, 32)
+    x = torch.randn(3, 64)
+    use("cpu", TritonBackend())
+    try:
+        layer = Linear(64, 48)
+        layer.set_quantized(qw, torch.float32)
+        assert isinstance(layer.kernel, BackendKernel) and layer.format == weights
+        torch.testing.assert_close(layer(x), x @ qw.dequantize().T, rtol=1e-5, atol=1e-5)
+    finally:
+        use("cpu", None)
+    default = Linear(64, 48)
+    default.set_quantized(qw, torch.float32)
+    assert not isinstance(default.kernel, BackendKernel) and default.format == weights  # the CPU kernels

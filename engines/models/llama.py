@@ -109,6 +109,10 @@ class LlamaForCausalLM(nn.Module):
         return self.norm.weight.dtype
 
     @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
+    @property
     def weights_format(self) -> str:
         """bf16, or the format most of the decoder's linear bytes are in."""
         counts: dict[str, int] = {}
@@ -120,7 +124,7 @@ class LlamaForCausalLM(nn.Module):
 
     def prepare(self) -> None:
         """Once the weights are in: build the RoPE tables and let every linear layer pick its kernel."""
-        self.rope.build(self.dtype)
+        self.rope.build(self.dtype, self.device)
         for module in self.modules():
             if isinstance(module, Linear):
                 module.prepare(shared=module is self.lm_head and self.config.tie_word_embeddings)

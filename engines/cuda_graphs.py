@@ -1,0 +1,112 @@
+"""CUDA graphs for decode steps: the decoder's forward captured once per bucketed batch size and replayed
+with static input buffers, so a decode step costs one graph launch instead of hundreds of kernel launches
+(vLLM and SGLang do the same; at small batches the launches, not the math, bound a step).
+
+A decode step of n sequences runs the graph of the smallest bucket >= n. The step's token ids,
+positions, KV slots and block tables are copied into the static buffers; padding rows attend to one
+position of a scratch block that no sequence owns and write their keys there, so they touch nothing real.
+What a graph cannot replay falls back to the eager forward: prefill chunks, batches above the largest
+bucket, contexts longer than the tables were sized for, and models whose forward syncs with the host
+(the fused MoE sizes its grid from the token count). The attention backend must read everything from
+`AttentionMetadata.rows` (the Triton backend does); the output head runs outside the graph.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+
+import torch
+
+from engines.attention import AttentionBackend, AttentionMetadata, DecodeGroup, RowTables
+from engines.models.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+
+
+def bucket_for(n: int, buckets: tuple[int, ...] = BUCKETS) -> int | None:
+    """The smallest bucket holding n rows; None above the largest."""
+    i = bisect.bisect_left(buckets, n)
+    return buckets[i] if i < len(buckets) else None
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        backend: AttentionBackend,
+        block_size: int,
+        scratch_block: int,
+        max_blocks_per_seq: int,
+        buckets: tuple[int, ...] = BUCKETS,
+    ) -> None:
+        self.model, self.backend, self.buckets = model, backend, buckets
+        self.block_size, self.max_blocks = block_size, max_blocks_per_seq
+        device, rows = model.device, max(buckets)
+        self.ids = torch.zeros(rows, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
+        self.slots = torch.full((rows,), scratch_block * block_size, dtype=torch.long, device=device)
+        self.tables = torch.full((rows * max_blocks_per_seq,), scratch_block, dtype=torch.int32, device=device)
+        self.row_table = torch.arange(rows, dtype=torch.int32, device=device) * max_blocks_per_seq
+        self.row_len = torch.ones(rows, dtype=torch.int32, device=device)
+        self.scratch_slot = scratch_block * block_size
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool: object | None = None
+        self.disabled = False
+
+    def metadata(self, rows: int) -> AttentionMetadata:
+        """Decode metadata over the static buffers' first `rows` rows."""
+        unused = torch.empty(0, device=self.ids.device)
+        group = DecodeGroup(0, rows, unused, unused)  # only the Triton backend's row tables are read
+        tables = RowTables(self.tables, self.row_table[:rows], self.row_len[:rows])
+        return AttentionMetadata(self.slots[:rows], (group,), (), tables)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first (its memory pool then serves the smaller ones)."""
+        try:
+            for rows in sorted(self.buckets, reverse=True):
+                meta = self.metadata(rows)
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):  # warm up: autotuning and lazy init stay out of the graph
+                    self.model(self.ids[:rows], self.positions[:rows], self.backend, meta)
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    out = self.model(self.ids[:rows], self.positions[:rows], self.backend, meta)
+                self.pool = graph.pool()
+                self.graphs[rows] = (graph, out)
+        except RuntimeError as exc:  # e.g. a forward that syncs with the host: serve eagerly
+            log.warning("CUDA graphs are off for this model: %s", exc)
+            self.graphs.clear()
+            self.disabled = True
+
+    def run(
+        self, input_ids: list[int], positions: list[int], block_tables: list[list[int]], slots: list[int]
+    ) -> torch.Tensor | None:
+        """Hidden states (n, hidden) of a decode step of n = len(input_ids) sequences from a graph, or None
+        where no graph fits (then the caller runs the eager forward)."""
+        n = len(input_ids)
+        rows = bucket_for(n, self.buckets)
+        if self.disabled or rows is None or rows not in self.graphs:
+            return None
+        if any(len(t) > self.max_blocks for t in block_tables):
+            return None
+        scratch = self.scratch_slot // self.block_size
+        table_rows = [t + [scratch] * (self.max_blocks - len(t)) for t in block_tables]
+        table_rows += [[scratch] * self.max_blocks] * (rows - n)
+        pad = rows - n
+        self.ids[:rows].copy_(torch.tensor(input_ids + [0] * pad), non_blocking=True)
+        self.positions[:rows].copy_(torch.tensor(positions + [0] * pad), non_blocking=True)
+        self.slots[:rows].copy_(torch.tensor(slots + [self.scratch_slot] * pad), non_blocking=True)
+        lens = [p + 1 for p in positions] + [1] * pad
+        self.row_len[:rows].copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
+        self.tables[: rows * self.max_blocks].copy_(
+            torch.tensor(table_rows, dtype=torch.int32).view(-1), non_blocking=True
+        )
+        graph, out = self.graphs[rows]
+        graph.replay()
+        return out[:n]  # the graph's own buffer: read before the next replay
