@@ -8,6 +8,7 @@ import torch
 import triton_support  # before the kernel modules: it sets TRITON_INTERPRET before they are decorated
 
 from engines import triton_norm
+from engines.backends import TorchBackend
 
 TOLERANCE = {  # (rtol, atol): the sum of squares runs in another order; the norm is rounded to the dtype
     torch.float32: (1e-5, 1e-6),
@@ -19,11 +20,8 @@ TOLERANCE = {  # (rtol, atol): the sum of squares runs in another order; the nor
 def torch_add_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The oracle: `RMSNorm.add_norm`'s torch form (HF's numerics), written out; it leaves `residual` alone."""
-    r = x if residual is None else residual + x
-    h = r.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(r.dtype), r
+    """The oracle: the torch reference backend's form (HF's numerics); it leaves `residual` alone."""
+    return TorchBackend().add_rms_norm(x, weight, eps, residual)
 
 
 def check(

@@ -61,7 +61,7 @@ def answer_items(
     todo = {item.id: item for item in items if item.id not in rows}
     if todo and engine is None:
         raise ValueError(f"{len(todo)} items have no answer in {out} and there is no engine to answer them")
-    requests = (_request(engine, item, max_tokens) for item in todo.values() if engine is not None)
+    requests = (_request(engine, item, max_tokens) for item in todo.values())  # type: ignore[arg-type]
     with (
         open_appender(out) as append,
         ThreadPoolExecutor(2) as graders,
@@ -77,7 +77,7 @@ def answer_items(
                 rows[row["id"]] = row
                 bar.update(1)
 
-        for c in complete_all(engine, requests) if engine is not None else ():
+        for c in complete_all(engine, requests) if todo else ():  # no engine when nothing is left to answer
             item = todo[c.request_id]
             row = {"id": item.id, "source": item.source, "question": item.question, "answer": c.text,
                    "finish": c.finish_reason.value, "tokens": c.completion_tokens, "model": model}  # fmt: skip
