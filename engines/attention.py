@@ -83,6 +83,9 @@ class AttentionMetadata:
     decode_groups: tuple[DecodeGroup, ...]  # the first rows, one query token per sequence
     extends: tuple[ExtendSpan, ...]
     rows: RowTables
+    # int32 (3, len(extends)): the spans' start rows, new tokens and cached tokens, for kernels that take
+    # them as tensors (built once per step, not once per layer)
+    extend_spans: torch.Tensor
 
     @property
     def num_decode(self) -> int:
@@ -123,7 +126,9 @@ class AttentionMetadata:
             extends.append(ExtendSpan(row, n, done, ids))
             row += n
         slot_mapping = torch.cat(slots) if slots else torch.empty(0, dtype=torch.long)
-        return cls(slot_mapping, tuple(groups), tuple(extends), RowTables.build(block_tables, num_computed, num_new))
+        spans = torch.tensor([[e.start, e.num_new, e.num_computed] for e in extends], dtype=torch.int32)
+        rows = RowTables.build(block_tables, num_computed, num_new)
+        return cls(slot_mapping, tuple(groups), tuple(extends), rows, spans.reshape(-1, 3).t().contiguous())
 
     def to(self, device: torch.device | str) -> AttentionMetadata:
         """The same metadata on `device` (itself on the CPU): moved once per step, not once per layer."""
@@ -134,7 +139,7 @@ class AttentionMetadata:
         )
         extends = tuple(ExtendSpan(e.start, e.num_new, e.num_computed, e.block_ids.to(device)) for e in self.extends)
         rows = RowTables(self.rows.tables.to(device), self.rows.row_table.to(device), self.rows.row_len.to(device))
-        return AttentionMetadata(self.slot_mapping.to(device), groups, extends, rows)
+        return AttentionMetadata(self.slot_mapping.to(device), groups, extends, rows, self.extend_spans.to(device))
 
 
 class AttentionBackend(Protocol):

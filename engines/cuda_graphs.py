@@ -51,7 +51,7 @@ class DecodeGraphs:
         self.tables = torch.full((rows * max_blocks_per_seq,), scratch_block, dtype=torch.int32, device=device)
         self.row_table = torch.arange(rows, dtype=torch.int32, device=device) * max_blocks_per_seq
         self.row_len = torch.ones(rows, dtype=torch.int32, device=device)
-        self.scratch_slot = scratch_block * block_size
+        self.scratch_block = scratch_block
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool: object | None = None
         self.disabled = False
@@ -61,7 +61,8 @@ class DecodeGraphs:
         unused = torch.empty(0, device=self.ids.device)
         group = DecodeGroup(0, rows, unused, unused)  # only the Triton backend's row tables are read
         tables = RowTables(self.tables, self.row_table[:rows], self.row_len[:rows])
-        return AttentionMetadata(self.slots[:rows], (group,), (), tables)
+        no_spans = torch.empty(3, 0, dtype=torch.int32, device=self.ids.device)
+        return AttentionMetadata(self.slots[:rows], (group,), (), tables, no_spans)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -95,13 +96,13 @@ class DecodeGraphs:
             return None
         if any(len(t) > self.max_blocks for t in block_tables):
             return None
-        scratch = self.scratch_slot // self.block_size
+        scratch = self.scratch_block
         table_rows = [t + [scratch] * (self.max_blocks - len(t)) for t in block_tables]
         table_rows += [[scratch] * self.max_blocks] * (rows - n)
         pad = rows - n
         self.ids[:rows].copy_(torch.tensor(input_ids + [0] * pad), non_blocking=True)
         self.positions[:rows].copy_(torch.tensor(positions + [0] * pad), non_blocking=True)
-        self.slots[:rows].copy_(torch.tensor(slots + [self.scratch_slot] * pad), non_blocking=True)
+        self.slots[:rows].copy_(torch.tensor(slots + [scratch * self.block_size] * pad), non_blocking=True)
         lens = [p + 1 for p in positions] + [1] * pad
         self.row_len[:rows].copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
         self.tables[: rows * self.max_blocks].copy_(

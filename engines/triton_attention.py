@@ -532,8 +532,7 @@ class TritonPagedAttention:
                 q[:decode], k_cache, v_cache, tables, row_table[:decode], row_len, scales, out[:decode], self.num_splits
             )
         if meta.extends:
-            spans = [(s.start, s.num_new, s.num_computed) for s in meta.extends]
-            start, new, computed = torch.tensor(spans, dtype=torch.int32).t().contiguous().to(device)
+            start, new, computed = meta.extend_spans.to(device)
             max_new = max(s.num_new for s in meta.extends)
             extend_attention(q, k_cache, v_cache, tables, row_table, start, new, computed, max_new, scales, out)
         return out

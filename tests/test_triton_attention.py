@@ -10,10 +10,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import json
-import os
-import subprocess
-import sys
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -259,43 +255,12 @@ def compile_cases(dtype: str, int8: bool) -> list[tuple[str, dict[str, str], dic
     ]
 
 
-COMPILE = """
-import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from engines import triton_attention as ta
-ptx = []
-for name, types, constexprs in json.loads(sys.argv[1]):
-    kernel = getattr(ta, name)
-    signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "i32") for arg in kernel.arg_names}
-    asm = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32)).asm
-    assert asm["cubin"], name
-    ptx.append(asm["ptx"])
-print(json.dumps(ptx))
-"""
-
-
 def test_kernels_compile_for_the_gpu(tmp_path: Path) -> None:
     """What the interpreter cannot show: every kernel lowers to an sm_90 (H100) cubin with Triton's own
-    ptxas, no GPU needed, for a bf16 model (which the interpreter cannot run) and an fp16 one over an int8
-    pool; and quantization divides with IEEE rounding there (div.rn, not div.full). In a child process:
-    this one's `triton.language` was jitted for the interpreter."""
-    pytest.importorskip("triton.backends.nvidia", reason="Triton's NVIDIA backend is not installed")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
+    ptxas, for a bf16 model (which the interpreter cannot run) and an fp16 one over an int8 pool; and
+    quantization divides with IEEE rounding there (div.rn, not div.full)."""
     cases = compile_cases("bf16", False) + compile_cases("fp16", True)
-    root = Path(__file__).resolve().parents[1]
-    done = subprocess.run(
-        [sys.executable, "-c", COMPILE, json.dumps(cases)],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    ptx = dict(
-        zip([f"{name}/{consts.get('QUANT')}" for name, _, consts in cases], json.loads(done.stdout), strict=True)
-    )
+    ptx_list = triton_support.compile_for_h100("engines.triton_attention", cases, tmp_path)
+    ptx = dict(zip([f"{name}/{consts.get('QUANT')}" for name, _, consts in cases], ptx_list, strict=True))
     store = ptx["_store_kv_kernel/True"]
     assert "div.rn.f32" in store and "div.full" not in store and "cvt.rn.f16.f32" in store

@@ -4,6 +4,8 @@ shown to catch a deliberately broken kernel."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import triton_support  # before the kernel modules: it sets TRITON_INTERPRET before they are decorated
@@ -140,3 +142,17 @@ def test_int4_broken_kernels_fail(monkeypatch: pytest.MonkeyPatch, old: str, new
     qw = quantize_int4(weight(40, 256, 5), 128)
     with pytest.raises(AssertionError):
         check(int4_f(qw), qw, 3, torch.float32)
+
+
+def test_kernels_compile_for_the_gpu(tmp_path: Path) -> None:
+    """Both kernels lower to sm_90 for bf16 activations (decode's 16-row tile and prefill's 64), with and
+    without a bias, and dequantize into tensor-core MMAs."""
+    common = {"x_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "s_ptr": "*fp32"}
+    int8 = common | {"q_ptr": "*i8"}
+    int4 = common | {"p_ptr": "*u8", "z_ptr": "*fp32"}
+    cases = []
+    for block_m, bias in ((16, False), (64, True)):
+        consts = {"HAS_BIAS": bias, "DOT_PRECISION": "tf32", "BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 64}
+        cases += [("_int8_matmul_kernel", int8, consts), ("_int4_matmul_kernel", int4, consts)]
+    ptx = triton_support.compile_for_h100("engines.triton_matmul", cases, tmp_path)
+    assert all("mma" in p for p in ptx), "a weight-only matmul did not lower to tensor-core MMAs"

@@ -3,6 +3,8 @@ run on the CPU under the Triton interpreter; each check is shown to catch a deli
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import triton_support  # before the kernel modules: it sets TRITON_INTERPRET before they are decorated
@@ -92,3 +94,12 @@ def test_broken_kernels_fail(monkeypatch: pytest.MonkeyPatch, old: str, new: str
     monkeypatch.setattr(triton_norm, "_add_rms_norm_kernel", broken)
     with pytest.raises(AssertionError):
         check(5, 40, torch.float16, residual=True, eps=eps)
+
+
+def test_kernel_compiles_for_the_gpu(tmp_path: Path) -> None:
+    """The kernel lowers to sm_90 for bf16 rows of Qwen2.5-1.5B's width (1536: not a power of two), with
+    and without the residual; the variance is a reduction across the warps, not one thread's loop."""
+    types = dict.fromkeys(["x_ptr", "res_ptr", "w_ptr", "out_ptr"], "*bf16") | {"eps": "fp32"}
+    cases = [("_add_rms_norm_kernel", types, {"HAS_RESIDUAL": r, "BLOCK": 2048}) for r in (True, False)]
+    ptx = triton_support.compile_for_h100("engines.triton_norm", cases, tmp_path)
+    assert all("shfl.sync" in p and "rsqrt" in p for p in ptx)

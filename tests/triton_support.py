@@ -10,8 +10,12 @@ one and asserts its check now fails.
 from __future__ import annotations
 
 import inspect
+import json
 import os
+import subprocess
+import sys
 import textwrap
+from pathlib import Path
 from types import ModuleType
 
 os.environ["TRITON_INTERPRET"] = "1"
@@ -36,3 +40,43 @@ def mutant(module: ModuleType, name: str, old: str, new: str) -> object:
     namespace = dict(vars(module))
     exec(compile(source.replace(old, new), f"<mutant of {module.__name__}.{name}>", "exec"), namespace)
     return namespace[name]
+
+
+_COMPILE = """
+import importlib, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+module = importlib.import_module(sys.argv[1])
+ptx = []
+for name, types, constexprs in json.loads(sys.argv[2]):
+    kernel = getattr(module, name)
+    signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "i32") for arg in kernel.arg_names}
+    asm = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32)).asm
+    assert asm["cubin"], name
+    ptx.append(asm["ptx"])
+print(json.dumps(ptx))
+"""
+
+
+def compile_for_h100(
+    module: str, cases: list[tuple[str, dict[str, str], dict[str, object]]], cache_dir: Path
+) -> list[str]:
+    """PTX of each (kernel, argument types, constexprs) case of `module`'s kernels, lowered to an sm_90
+    (H100) cubin with Triton's own ptxas: what the interpreter cannot show (layouts, register pressure,
+    dtypes it never lowers), no GPU needed. Arguments missing from the types are i32. In a child process:
+    this one's kernels were jitted for the interpreter."""
+    pytest.importorskip("triton.backends.nvidia", reason="Triton's NVIDIA backend is not installed")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(cache_dir)}
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE, module, json.dumps(cases)],
+        cwd=Path(__file__).resolve().parents[1],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    ptx = json.loads(done.stdout)
+    assert len(ptx) == len(cases)
+    return ptx
