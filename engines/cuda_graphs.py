@@ -41,8 +41,11 @@ class DecodeGraphs:
         scratch_block: int,
         max_blocks_per_seq: int,
         buckets: tuple[int, ...] = BUCKETS,
+        replay: bool = True,
     ) -> None:
-        self.model, self.backend, self.buckets = model, backend, buckets
+        """`replay=False` runs the same forward over the same static buffers eagerly, without capturing:
+        the buffers' bookkeeping (padding rows, scratch block, tables) checked on the CPU."""
+        self.model, self.backend, self.buckets, self.replay = model, backend, buckets, replay
         self.block_size, self.max_blocks = block_size, max_blocks_per_seq
         device, rows = model.device, max(buckets)
         self.ids = torch.zeros(rows, dtype=torch.long, device=device)
@@ -55,6 +58,7 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool: object | None = None
         self.disabled = False
+        self.steps = 0  # decode steps served from the static buffers
 
     def metadata(self, rows: int) -> AttentionMetadata:
         """Decode metadata over the static buffers' first `rows` rows."""
@@ -64,20 +68,25 @@ class DecodeGraphs:
         no_spans = torch.empty(3, 0, dtype=torch.int32, device=self.ids.device)
         return AttentionMetadata(self.slots[:rows], (group,), (), tables, no_spans)
 
+    def forward(self, rows: int) -> torch.Tensor:
+        """The decoder over the static buffers' first `rows` rows: what a graph captures."""
+        return self.model(self.ids[:rows], self.positions[:rows], self.backend, self.metadata(rows))
+
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every bucket, largest first (its memory pool then serves the smaller ones)."""
+        if not self.replay:
+            return
         try:
             for rows in sorted(self.buckets, reverse=True):
-                meta = self.metadata(rows)
                 stream = torch.cuda.Stream()
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):  # warm up: autotuning and lazy init stay out of the graph
-                    self.model(self.ids[:rows], self.positions[:rows], self.backend, meta)
+                    self.forward(rows)
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):
-                    out = self.model(self.ids[:rows], self.positions[:rows], self.backend, meta)
+                    out = self.forward(rows)
                 self.pool = graph.pool()
                 self.graphs[rows] = (graph, out)
         except RuntimeError as exc:  # e.g. a forward that syncs with the host: serve eagerly
@@ -92,7 +101,7 @@ class DecodeGraphs:
         where no graph fits (then the caller runs the eager forward)."""
         n = len(input_ids)
         rows = bucket_for(n, self.buckets)
-        if self.disabled or rows is None or rows not in self.graphs:
+        if self.disabled or rows is None or (self.replay and rows not in self.graphs):
             return None
         if any(len(t) > self.max_blocks for t in block_tables):
             return None
@@ -108,6 +117,9 @@ class DecodeGraphs:
         self.tables[: rows * self.max_blocks].copy_(
             torch.tensor(table_rows, dtype=torch.int32).view(-1), non_blocking=True
         )
+        self.steps += 1
+        if not self.replay:
+            return self.forward(rows)[:n]
         graph, out = self.graphs[rows]
         graph.replay()
         return out[:n]  # the graph's own buffer: read before the next replay

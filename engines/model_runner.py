@@ -47,11 +47,13 @@ class ModelRunner:
         self.head: Linear | None = None
         self.graphs: DecodeGraphs | None = None  # CUDA only: see `enable_cuda_graphs`
 
-    def enable_cuda_graphs(self, scratch_block: int, max_blocks_per_seq: int) -> None:
-        """Replay decode steps from CUDA graphs; `scratch_block` is a cache block no sequence ever gets."""
+    def enable_cuda_graphs(self, scratch_block: int, max_blocks_per_seq: int, replay: bool = True) -> None:
+        """Replay decode steps from CUDA graphs; `scratch_block` is a cache block no sequence ever gets.
+        `replay=False`: the graphs' static-buffer forward, run eagerly (see `DecodeGraphs`)."""
         from engines.cuda_graphs import DecodeGraphs
 
-        graphs = DecodeGraphs(self.model, self.backend, self.cache.block_size, scratch_block, max_blocks_per_seq)
+        bs = self.cache.block_size
+        graphs = DecodeGraphs(self.model, self.backend, bs, scratch_block, max_blocks_per_seq, replay=replay)
         graphs.capture()
         self.graphs = None if graphs.disabled else graphs
 

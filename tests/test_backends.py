@@ -33,18 +33,27 @@ def test_backends_are_picked_by_device_and_can_be_swapped() -> None:
     assert backend_for("cpu").name == "cpu"
 
 
+def answers(engine: Engine, n: int = 3, max_tokens: int = 5) -> list[str]:
+    """Greedy answers of prompts of different lengths in one batch (prefill chunks beside decodes)."""
+    prompts = [list(range(1 + i, 4 + 7 * i)) for i in range(n)]
+    requests = [
+        EngineRequest(f"r{i}", p, SamplingParams(max_tokens=max_tokens + i, temperature=0.0))
+        for i, p in enumerate(prompts)
+    ]
+    done = {c.request_id: c.text for c in complete_all(engine, requests)}
+    return [done[f"r{i}"] for i in range(n)]
+
+
+def tiny_engine(model_dir: Path) -> Engine:
+    return Engine.from_dir(model_dir, dtype="fp32", config=EngineConfig(kv_cache_bytes=1 << 21, block_size=8))
+
+
 def generate(model_dir: Path, backend: TorchBackend) -> tuple[list[str], Engine]:
-    """Greedy answers of prompts of different lengths in one batch (prefill chunks beside decodes), all
-    model code on `backend`; and the engine."""
+    """`answers` with all model code on `backend`; and the engine."""
     use("cpu", backend)
     try:
-        engine = Engine.from_dir(model_dir, dtype="fp32", config=EngineConfig(kv_cache_bytes=1 << 21, block_size=8))
-        prompts = [list(range(1 + i, 4 + 7 * i)) for i in range(3)]
-        requests = [
-            EngineRequest(f"r{i}", p, SamplingParams(max_tokens=5, temperature=0.0)) for i, p in enumerate(prompts)
-        ]
-        done = {c.request_id: c.text for c in complete_all(engine, requests)}
-        return [done[f"r{i}"] for i in range(len(prompts))], engine
+        engine = tiny_engine(model_dir)
+        return answers(engine), engine
     finally:
         use("cpu", None)
 
@@ -81,3 +90,25 @@ def test_quantized_linears_take_the_device_backends_kernel(weights: str) -> None
     default = Linear(64, 48)
     default.set_quantized(qw, torch.float32)
     assert not isinstance(default.kernel, BackendKernel) and default.format == weights  # the CPU kernels
+
+
+def test_decode_from_the_graphs_static_buffers_serves_the_eager_tokens(tiny_dir: Path) -> None:
+    """The CUDA-graph path's bookkeeping, without a GPU: decode steps run from `DecodeGraphs`' static
+    buffers (five sequences padded to bucket 8, then fewer as they finish; padding rows on a scratch
+    block; tables padded to the longest context) on the Triton backend, uncaptured, and give the tokens
+    of the ordinary eager steps."""
+    from engines.block_manager import BlockTable
+
+    use("cpu", TritonBackend())
+    try:
+        reference = answers(tiny_engine(tiny_dir), n=5)
+        engine = tiny_engine(tiny_dir)
+        scratch = BlockTable("scratch")
+        engine.block_manager.allocate(scratch, 1)  # a block that no sequence will ever be given
+        engine.runner.enable_cuda_graphs(scratch.block_ids[0], -(-engine.max_model_len // 8), replay=False)
+        served = answers(engine, n=5)
+    finally:
+        use("cpu", None)
+    graphs = engine.runner.graphs
+    assert graphs is not None and graphs.steps >= 8  # every decode step (prefills stay eager)
+    assert served == reference and all(reference)
