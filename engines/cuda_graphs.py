@@ -7,7 +7,7 @@ positions, KV slots and block tables are copied into the static buffers; padding
 position of a scratch block that no sequence owns and write their keys there, so they touch nothing real.
 What a graph cannot replay falls back to the eager forward: prefill chunks, batches above the largest
 bucket, contexts longer than the tables were sized for, and models whose forward syncs with the host
-(the fused MoE sizes its grid from the token count). The attention backend must read everything from
+(quantized MoE experts, which loop over experts by count). The attention backend must read everything from
 `AttentionMetadata.rows` (the Triton backend does); the output head runs outside the graph.
 """
 

@@ -8,7 +8,9 @@ for a handful of rows. Here the whole MoE MLP is three launches (gate/up GEMM, S
   sorted list then belongs to exactly one expert, so a program loads one expert's weight tiles and multiplies
   them by up to BLOCK_M gathered token rows: each expert's weights are read once per tile of its tokens (once
   in all at decode), and experts no token chose have no tiles and are never read. Sentinel rows are masked:
-  never loaded, never stored.
+  never loaded, never stored. Nothing is read back to the host: the lists are sized by a bound known from
+  the shapes (`max_padded`) and the GEMMs skip tiles past the real count, which they read on the device, so
+  a decode step through the MoE can be captured in a CUDA graph.
 - One grouped-GEMM kernel (`_grouped_gemm_kernel`) serves both projections. Weights are stacked (E, N, K), the
   nn.Linear layout (out, in), so no transposed copy is made. GEMM 1 gathers input row pair // k of x (a token
   is shared by its k pairs) and writes the pair's row of a (T·k, 2I) gate/up buffer; GEMM 2 reads row `pair`
@@ -37,29 +39,42 @@ if TYPE_CHECKING:  # only for the annotation: no import cycle with the model cod
 BLOCK_M = 16  # rows (pairs) per tile: the smallest tl.dot tile; decode routes few tokens per expert
 
 
-def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(sorted_pairs, expert_of_block, num_padded) for (T, k) expert ids.
+def max_padded(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """The most rows `align_by_expert` can need: each used expert (at most one per pair) pads its run by
+    up to block_m - 1. Known from shapes alone, so a CUDA graph can be captured around the MoE."""
+    return -(-(num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m) * block_m
 
-    sorted_pairs (num_padded,) int32: the flat pair indices t·k + slot grouped by expert (ascending, stable),
-    each expert's run padded with the sentinel T·k to a multiple of `block_m`. expert_of_block
-    (num_padded // block_m,) int32: the expert owning each tile. Experts with no pairs get no tiles.
+
+def align_by_expert(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sorted_pairs, expert_of_block, num_padded) for (T, k) expert ids, without a host sync.
+
+    sorted_pairs (max_padded,) int32: the flat pair indices t·k + slot grouped by expert (ascending, stable),
+    each expert's run padded with the sentinel T·k to a multiple of `block_m`, then sentinels to the
+    shape-only bound `max_padded`. expert_of_block (max_padded // block_m,) int32: the expert owning each
+    tile (tiles past the end: the last expert; the kernel skips them). num_padded (1,) int32, on the
+    device: the rows actually used. Experts with no pairs get no tiles.
     """
     flat = topk_ids.reshape(-1).long()
     num_pairs = flat.numel()
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add, not bincount: on CUDA bincount reads the ids' max back to the host.
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
-    padded_start = torch.cumsum(padded, 0) - padded  # where each expert's run begins in sorted_pairs
+    padded_end = torch.cumsum(padded, 0)
+    padded_start = padded_end - padded  # where each expert's run begins in sorted_pairs
     count_start = torch.cumsum(counts, 0) - counts  # where it begins in the unpadded sorted order
     order = torch.argsort(flat, stable=True)
     experts = flat[order]
     # Position j of the unpadded order is the (j - count_start[e])-th pair of its expert e.
     dest = padded_start[experts] + torch.arange(num_pairs, device=flat.device) - count_start[experts]
-    num_padded = int(padded.sum().item())  # one sync: the launch grid needs it
-    sorted_pairs = torch.full((num_padded,), num_pairs, dtype=torch.int32, device=flat.device)
+    rows = max_padded(num_pairs, num_experts, block_m)
+    sorted_pairs = torch.full((rows,), num_pairs, dtype=torch.int32, device=flat.device)
     sorted_pairs[dest] = order.to(torch.int32)
-    blocks = torch.arange(num_experts, device=flat.device, dtype=torch.int32)
-    expert_of_block = torch.repeat_interleave(blocks, padded // block_m)
-    return sorted_pairs, expert_of_block, num_padded
+    # Tile b belongs to the first expert whose padded run ends after its first row.
+    tile_start = torch.arange(0, rows, block_m, device=flat.device)
+    owner = torch.searchsorted(padded_end, tile_start, right=True).clamp_(max=num_experts - 1)
+    return sorted_pairs, owner.to(torch.int32), padded_end[-1:].to(torch.int32)
 
 
 # Inside a kernel every non-constexpr argument (pointer or scalar) is a tl.tensor; that annotation leaves
@@ -72,6 +87,7 @@ def _grouped_gemm_kernel(
     scale_ptr: tl.tensor,
     sorted_pairs_ptr: tl.tensor,
     expert_of_block_ptr: tl.tensor,
+    num_padded_ptr: tl.tensor,
     N: tl.tensor,
     K: tl.tensor,
     num_pairs: tl.tensor,
@@ -92,6 +108,8 @@ def _grouped_gemm_kernel(
     """out[pair, n] = (scale[pair] ·) Σ_k a[pair // ROWS_PER_A, k] · w[expert, n, k] for one tile of pairs."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):  # the grid is sized by the bound, not the count
+        return
     pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     valid = pairs < num_pairs  # sentinel (padding) rows: neither loaded nor stored
     rows = pairs // ROWS_PER_A
@@ -147,14 +165,14 @@ def _grouped_gemm(
     out: torch.Tensor,
     sorted_pairs: torch.Tensor,
     expert_of_block: torch.Tensor,
-    num_padded: int,
+    num_padded: torch.Tensor,
     rows_per_a: int,
     scale: torch.Tensor | None,
     block_m: int,
 ) -> None:
     n, k = w.shape[1], w.shape[2]
     block_n, block_k = _tile(n, 64), _tile(k, 64)
-    grid = (num_padded // block_m, triton.cdiv(n, block_n))
+    grid = (expert_of_block.numel(), triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
         a,
         w,
@@ -162,6 +180,7 @@ def _grouped_gemm(
         scale if scale is not None else out,  # unread when APPLY_SCALE is off
         sorted_pairs,
         expert_of_block,
+        num_padded,
         n,
         k,
         out.shape[0],

@@ -86,10 +86,15 @@ def test_kernels_run_under_the_interpreter() -> None:
 def test_align_by_expert(tokens: int, block_m: int) -> None:
     ids = torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(t))[:K] for t in range(tokens)])
     sentinel = tokens * K
-    pairs, expert_of_block, num_padded = triton_moe.align_by_expert(ids, E, block_m)
-    assert pairs.dtype == expert_of_block.dtype == torch.int32
-    assert pairs.shape == (num_padded,) and num_padded % block_m == 0
-    assert expert_of_block.shape == (num_padded // block_m,)
+    pairs, expert_of_block, used_rows = triton_moe.align_by_expert(ids, E, block_m)
+    assert pairs.dtype == expert_of_block.dtype == used_rows.dtype == torch.int32
+    bound = triton_moe.max_padded(tokens * K, E, block_m)
+    assert pairs.shape == (bound,) and expert_of_block.shape == (bound // block_m,)  # shapes alone fix them
+    num_padded = int(used_rows.item())
+    assert num_padded % block_m == 0 and num_padded <= bound
+    assert (pairs[num_padded:] == sentinel).all()  # past the real rows: padding only
+    expert_of_block = expert_of_block[: num_padded // block_m]
+    pairs = pairs[:num_padded]
     real = pairs[pairs != sentinel]
     assert sorted(real.tolist()) == list(range(sentinel))  # every pair exactly once
     flat = ids.flatten()
@@ -105,6 +110,13 @@ def test_align_by_expert(tokens: int, block_m: int) -> None:
         assert tile_real.tolist() == sorted(tile_real.tolist())  # stable: in token order
     if tokens == 1:
         assert set(expert_of_block.tolist()) == set(ids.flatten().tolist())  # unused experts: no tiles
+
+
+def test_align_by_expert_bound_is_tight() -> None:
+    # Every pair on its own expert: each pads a whole tile, exactly the bound.
+    ids = torch.arange(E).view(-1, K)
+    pairs, _, used_rows = triton_moe.align_by_expert(ids, E, 16)
+    assert int(used_rows.item()) == pairs.numel() == E * 16
 
 
 BF16_SKIP = (
@@ -160,6 +172,7 @@ GEMM_MUTANTS = {
     "every tile reads expert 0": ("expert * stride_we", "0 * stride_we"),
     "token row = pair % k": ("rows = pairs // ROWS_PER_A", "rows = pairs % ROWS_PER_A"),
     "last K tile dropped": ("range(0, tl.cdiv(K, BLOCK_K))", "range(0, K // BLOCK_K)"),
+    "last real tile skipped": ("BLOCK_M >= tl.load(num_padded_ptr)", "BLOCK_M >= tl.load(num_padded_ptr) - BLOCK_M"),
 }
 SILU_MUTANTS = {
     "no silu": ("gate * tl.sigmoid(gate) * up", "gate * up"),
@@ -183,7 +196,7 @@ def test_kernels_compile_for_the_gpu(tmp_path: Path) -> None:
     """Both kernels lower to sm_90 for bf16 experts at Qwen1.5-MoE's shapes (hidden 2048, 1408 per expert),
     and the grouped GEMM's dots become tensor-core MMAs."""
     gemm = {"a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "scale_ptr": "*bf16"}
-    gemm |= {"sorted_pairs_ptr": "*i32", "expert_of_block_ptr": "*i32"}
+    gemm |= {"sorted_pairs_ptr": "*i32", "expert_of_block_ptr": "*i32", "num_padded_ptr": "*i32"}
     tiles = {"PRECISION": "tf32", "BLOCK_M": triton_moe.BLOCK_M, "BLOCK_N": 64, "BLOCK_K": 64}
     cases = [
         ("_grouped_gemm_kernel", gemm, {"ROWS_PER_A": 4, "APPLY_SCALE": False} | tiles),
