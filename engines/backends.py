@@ -3,9 +3,9 @@
 Model code calls the functions below and never asks what device it is on. Three backends implement one
 interface: `TorchBackend`, the reference (plain torch, any device); `CpuBackend`, our C++ library's fused
 ops where it builds and the shapes fit (torch otherwise); `TritonBackend`, fused Triton kernels on CUDA
-(paged attention, fused MoE, add + RMSNorm, weight-only int8/int4 matmuls). `backend_for(tensor)` picks by
-device type; `use(device_type, backend)` swaps one in (benchmarks compare Triton with torch on one GPU;
-tests run the torch reference on the CPU).
+(paged attention, fused MoE, add + RMSNorm, RoPE, SiLU·mul, weight-only int8/int4 matmuls).
+`backend_for(tensor)` picks by device type; `use(device_type, backend)` swaps one in (benchmarks compare
+Triton with torch on one GPU; tests run the torch reference on the CPU).
 """
 
 from __future__ import annotations
@@ -119,6 +119,20 @@ class TritonBackend(TorchBackend):
         if x.dim() != 2:
             return super().add_rms_norm(x, weight, eps, residual)
         return triton_norm.add_rms_norm(x, weight, eps, residual)
+
+    def rotate(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        from engines import triton_rope
+
+        if q.stride(-1) == 1 and k.stride(-1) == 1 and cos.stride() == sin.stride() and cos.stride(-1) == 1:
+            return triton_rope.rotate_(q, k, cos, sin, head_dim)  # in place, as the CPU path
+        return super().rotate(q, k, cos, sin, head_dim)
+
+    def silu_mul(self, gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
+        from engines import triton_moe
+
+        return triton_moe.silu_mul(gate_up, intermediate)
 
     def attention(self, cache: PagedKVCache, cfg: ModelConfig) -> AttentionBackend:
         from engines.triton_attention import TritonPagedAttention

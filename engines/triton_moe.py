@@ -200,6 +200,21 @@ def _grouped_gemm(
     )
 
 
+def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+    """silu(gate) · up for rows [gate | up] of width 2·inter (the fused gate/up projection's output), in
+    one pass: (..., inter) in gate_up's dtype. Also the dense SwiGLU's activation on the GPU."""
+    rows = gate_up.reshape(-1, 2 * inter)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    act = torch.empty(rows.shape[0], inter, dtype=rows.dtype, device=rows.device)
+    if rows.shape[0]:
+        block = _tile(inter, 1024)
+        _silu_mul_kernel[(rows.shape[0], triton.cdiv(inter, block))](
+            rows, act, inter, rows.stride(0), act.stride(0), block
+        )
+    return act.view(*gate_up.shape[:-1], inter)
+
+
 def fused_moe(
     x: torch.Tensor,
     w_gate_up: torch.Tensor,
@@ -228,11 +243,7 @@ def fused_moe(
     sorted_pairs, expert_of_block, num_padded = align_by_expert(topk_ids, num_experts, BLOCK_M)
     gate_up = torch.empty(num_pairs, two_i, dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w_gate_up, gate_up, sorted_pairs, expert_of_block, num_padded, top_k, None, BLOCK_M)
-    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    block = _tile(inter, 1024)
-    _silu_mul_kernel[(num_pairs, triton.cdiv(inter, block))](
-        gate_up, act, inter, gate_up.stride(0), act.stride(0), block
-    )
+    act = silu_mul(gate_up, inter)
     down = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     scale = topk_weights.reshape(-1).contiguous()  # pair p = t·k + slot, the same flat order as the ids
     _grouped_gemm(act, w_down, down, sorted_pairs, expert_of_block, num_padded, 1, scale, BLOCK_M)
