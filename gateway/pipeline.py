@@ -51,6 +51,7 @@ from gateway.tenants import Principal
 from policies.budgets import Budgets, Reservation
 from policies.policy import Policy
 from policies.pricing import Charge, Tokens, charge, worst_case
+from policies.sampling import Asked, instructed, resolve
 from policies.store import PolicyStore, Versioned
 from verifiers.base import Context
 from verifiers.hook import VerifierHook
@@ -445,15 +446,17 @@ class Pipeline:
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
         route = await self.routing.route(principal, policy.policy, [messages]) if routed else None
         engine = self.engine(route.tier if route else body.model, policy.policy)
+        # The model (and the cache key) see the policy's instruction; routing and stored prompts see the client's.
+        shown = instructed(messages, policy.policy.sampling.system_instruction)
         try:
-            prompt = await _tokenize(sum(len(m["content"]) for m in messages), engine.tokenizer.encode_chat, messages)
+            prompt = await _tokenize(sum(len(m["content"]) for m in shown), engine.tokenizer.encode_chat, shown)
         except ChatTemplateError as exc:
             raise invalid(str(exc), param="messages") from None
         max_tokens = body.max_completion_tokens or body.max_tokens
         grammar = await _grammar(engine, body.response_format)
         return await self._generation(
             "chat.completions", "chatcmpl", principal, policy, body, engine, [prompt], max_tokens,
-            messages, cache_header, route, [messages], grammar, escalated_from,
+            shown, cache_header, route, [messages], grammar, escalated_from,
         )  # fmt: skip
 
     async def start_completion(
@@ -618,26 +621,28 @@ class Pipeline:
         if max_tokens is None:
             max_tokens = min(room, self.settings.default_max_tokens or room)
             max_tokens = max(max_tokens, 1)  # no room left: the context check below explains
-        wanted = max_tokens
-        limits = policy.sampling
-        if limits.max_tokens_cap is not None:
-            max_tokens = min(max_tokens, limits.max_tokens_cap)
-        temperature = 1.0 if body.temperature is None else body.temperature
-        top_p = 1.0 if body.top_p is None else body.top_p
-        if limits.temperature_max is not None:
-            temperature = min(temperature, limits.temperature_max)
-        if limits.top_p_max is not None:
-            top_p = min(top_p, limits.top_p_max)
+        given = body.model_fields_set  # a penalty the client left out takes the policy's default
+        s = resolve(
+            policy.sampling,
+            Asked(
+                max_tokens=max_tokens,
+                temperature=body.temperature,
+                top_p=body.top_p,
+                frequency_penalty=body.frequency_penalty if "frequency_penalty" in given else None,
+                presence_penalty=body.presence_penalty if "presence_penalty" in given else None,
+                stop=tuple(body.stop_list),
+            ),
+        )
         try:
             params = SamplingParams(
-                max_tokens=max_tokens,
-                temperature=temperature,
-                top_p=top_p,
+                max_tokens=s.max_tokens,
+                temperature=s.temperature,
+                top_p=s.top_p,
                 top_k=body.top_k or 0,
                 seed=body.seed,
-                presence_penalty=body.presence_penalty,
-                frequency_penalty=body.frequency_penalty,
-                stop=tuple(body.stop_list or limits.default_stop),
+                presence_penalty=s.presence_penalty,
+                frequency_penalty=s.frequency_penalty,
+                stop=s.stop,
             )
             engine.check(prompt, params.max_tokens)
         except RequestRejected as exc:
@@ -645,7 +650,7 @@ class Pipeline:
             raise invalid(str(exc), param=param, code=exc.code) from None
         except ValueError as exc:
             raise invalid(str(exc)) from None
-        return params, min(wanted, max(room, 1))
+        return params, min(max_tokens, max(room, 1))
 
 
 # Request fields that change the answer, besides the sampling parameters: part of the cache key.

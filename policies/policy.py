@@ -75,10 +75,20 @@ class RouterSettings(_Strict):
 
 
 class SamplingLimits(_Strict):
+    """Caps every request obeys, and defaults for what a request leaves unset (`policies.sampling` applies
+    both; `switchboard policy tune` proposes them)."""
+
     max_tokens_cap: int | None = Field(None, ge=1, description="completion tokens per choice, at most")
     temperature_max: float | None = Field(None, ge=0.0, le=2.0)
     top_p_max: float | None = Field(None, gt=0.0, le=1.0)
     default_stop: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list, max_length=16)
+    temperature_default: float | None = Field(None, ge=0.0, le=2.0, description="when a request sets none (else 1)")
+    top_p_default: float | None = Field(None, gt=0.0, le=1.0, description="when a request sets none (else 1)")
+    frequency_penalty_default: float | None = Field(None, ge=-2.0, le=2.0, description="when a request sets none")
+    presence_penalty_default: float | None = Field(None, ge=-2.0, le=2.0, description="when a request sets none")
+    system_instruction: str | None = Field(
+        None, min_length=1, max_length=2000, description="added to every chat request's system message"
+    )
 
 
 Mask = Literal["timestamps", "dates", "uuids", "request_ids", "hex", "base64"]
@@ -143,6 +153,19 @@ class LoggingSettings(_Strict):
     )
 
 
+class TuningSettings(_Strict):
+    """Policy tuning on a schedule (`switchboard policy tune` by hand): each run stores a proposal for an
+    admin to apply or reject; it applies itself only if the tenant opted in with `auto_apply`."""
+
+    schedule: Literal["off", "daily", "weekly"] = "off"
+    dataset: Literal["gsm8k", "humaneval", "mtbench", "chat"] | None = Field(
+        None, description="the prompts replayed: a shipped data set, or None for the tenant's stored prompts"
+    )
+    sample: int = Field(50, ge=5, le=2000, description="prompts per run")
+    tolerance: float = Field(0.02, ge=0.0, le=0.5, description="quality (0-1) a proposal may lose on the sample")
+    auto_apply: bool = Field(False, description="apply a scheduled run's proposal without an admin's approval")
+
+
 class RateLimits(_Strict):
     """Per minute; None means no limit."""
 
@@ -184,6 +207,7 @@ class Policy(_Strict):
     verifiers: VerifierSettings = Field(default_factory=VerifierSettings)
     rate_limits: RateLimits = Field(default_factory=RateLimits)
     logging: LoggingSettings = Field(default_factory=LoggingSettings)
+    tuning: TuningSettings = Field(default_factory=TuningSettings)
     budgets: list[Budget] = Field(default_factory=list, max_length=8)
     prices: dict[str, TierPrice] = Field(default_factory=lambda: dict(DEFAULT_PRICES))
     counterfactual_tier: str = Field("large", description="what every request is compared against")
