@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import gc
 import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Mapping
-from contextlib import asynccontextmanager
 
 import anyio
 from fastapi import FastAPI
@@ -17,6 +18,7 @@ from gateway import errors, openapi
 from gateway.api import admin, finance, health, openai
 from gateway.api import policies as policy_api
 from gateway.api import router as router_api
+from gateway.api import tuning as tuning_api
 from gateway.body_limit import BodySizeLimit
 from gateway.cache_stage import CacheStage
 from gateway.console import pages as console
@@ -31,8 +33,10 @@ from gateway.routing import RoutingStage
 from gateway.semantic_cache import SemanticCache
 from gateway.settings import Settings
 from gateway.tenants import use_key_secret
+from gateway.tuning_schedule import TuningSchedule
 from policies.budgets import Budgets
 from policies.counters import Counters, LocalCounters, RedisCounters
+from policies.proposals import ProposalStore
 from policies.store import PolicyStore
 from verifiers.probe import AnswerProbe
 
@@ -48,7 +52,7 @@ def create_app(
     """Build the app. Tests pass ready engines and a database; `switchboard serve` passes neither."""
     settings = settings or Settings()
 
-    @asynccontextmanager
+    @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         db = database or Database(settings.database)
         if settings.auto_migrate:
@@ -74,6 +78,7 @@ def create_app(
             engine.start()
         app.state.db = db
         app.state.policies = policies
+        app.state.proposals = ProposalStore(db, policies)
         app.state.budgets = Budgets(db, counters, settings.redis_namespace)
         routing = await anyio.to_thread.run_sync(_routing, settings, running, db, ledger, app.state.budgets, app)
         probe = await anyio.to_thread.run_sync(_probe, settings, routing)
@@ -81,6 +86,10 @@ def create_app(
             running, ledger, settings, policies, app.state.budgets, cache, app.state.metrics, routing, probe
         )
         app.state.started = int(time.time())
+        app.state.tuning = TuningSchedule(db, policies, app.state.proposals, running, settings.home_dir)
+        schedule = None
+        if settings.tuning_check_seconds > 0:
+            schedule = asyncio.create_task(app.state.tuning.run_forever(settings.tuning_check_seconds))
         # Everything loaded so far (models, tokenizers, the ORM, jinja) lives as long as the process: keep it
         # out of the collector's scans. A full collection walked all of it, stalling every request in
         # flight for up to ~0.2 s (the p99 of cache hits); requests' own garbage is collected as before.
@@ -89,6 +98,10 @@ def create_app(
         try:
             yield
         finally:
+            if schedule is not None:
+                schedule.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await schedule
             await routing.close()  # shadow runs still going finish first: they need the engines and the ledger
             if engines is None:  # engines passed in belong to the caller
                 for engine in set(running.values()):
@@ -120,6 +133,7 @@ def create_app(
     app.include_router(openai.router)
     app.include_router(admin.router)
     app.include_router(policy_api.router)
+    app.include_router(tuning_api.router)
     app.include_router(finance.router)
     app.include_router(health.router)
     app.include_router(metrics_router)

@@ -139,6 +139,9 @@ class Settings(BaseSettings):
     router_dir: Path | None = Field(None, description='the trained router `model: "auto"` uses; default: home/router')
     probe_dir: Path | None = Field(None, description="the answer probe policy check `probe` uses; default: home/probe")
     router_threads: int = Field(1, ge=1, description="torch threads of the routing thread (the engines use the rest)")
+    tuning_check_seconds: float = Field(
+        3600.0, ge=0.0, description="how often tenants' tuning schedules are checked for a due run; 0: never"
+    )
 
     @model_validator(mode="after")
     def _tiers(self) -> Settings:

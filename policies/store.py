@@ -106,21 +106,35 @@ class PolicyStore:
 
     def save(self, tenant_id: int, policy: Policy, actor: str, note: str = "", action: str = "policy.update") -> int:
         with self.db.session() as s:
-            before = self._latest(s, tenant_id)
-            version = (before.version if before else 0) + 1
-            body = policy.model_dump(mode="json")
-            s.add(PolicyVersion(tenant_id=tenant_id, version=version, body=body, note=note[:200], created_by=actor))
-            audit.record(
-                s,
-                actor,
-                action,
-                f"policy v{version}",
-                tenant_id=tenant_id,
-                before=before.body if before else DEFAULT.model_dump(mode="json"),
-                after=body,
-            )
+            version = self.write(s, tenant_id, policy, actor, note, action)
         self.invalidate(tenant_id)
         return version
+
+    def write(
+        self, s: Session, tenant_id: int, policy: Policy, actor: str, note: str = "", action: str = "policy.update"
+    ) -> int:
+        """Add the next version and its audit row in the caller's transaction (the caller invalidates
+        the cache once it commits)."""
+        before = self._latest(s, tenant_id)
+        version = (before.version if before else 0) + 1
+        body = policy.model_dump(mode="json")
+        s.add(PolicyVersion(tenant_id=tenant_id, version=version, body=body, note=note[:200], created_by=actor))
+        audit.record(
+            s,
+            actor,
+            action,
+            f"policy v{version}",
+            tenant_id=tenant_id,
+            before=before.body if before else DEFAULT.model_dump(mode="json"),
+            after=body,
+        )
+        return version
+
+    @staticmethod
+    def current_version(tenant_id: int, s: Session) -> int:
+        """The version in force, read in the caller's transaction (0: the built-in default)."""
+        top = s.scalar(select(func.max(PolicyVersion.version)).where(PolicyVersion.tenant_id == tenant_id))
+        return top or 0
 
     def rollback(self, tenant_id: int, version: int, actor: str) -> int:
         target = self.version(tenant_id, version)

@@ -164,6 +164,42 @@ def test_an_invalid_policy_is_shown_back_with_each_field_path(console: Console) 
     assert console.policy_version(console.acme_admin) == before
 
 
+def test_a_tuning_proposal_is_shown_with_its_evidence_and_applied_from_the_console(console: Console) -> None:
+    from decimal import Decimal
+
+    import numpy as np
+
+    from policies.tune_report import plot_png
+    from policies.tuning import Candidate, Scored, choose
+
+    tid, store = console.tenant_id(console.acme_admin), console.live.app.state.proposals
+    current = console.live.app.state.policies.current(tid)
+
+    def scored(c: Candidate, tokens: float) -> Scored:
+        return Scored(c, c.apply(current.policy), np.full(8, tokens), [Decimal(tokens) / 100] * 8, np.ones(8))
+
+    cap = Candidate("cap", {"sampling.max_tokens_cap": 64})
+    tuning = choose([scored(Candidate("current", {}), 100), scored(cap, 60)], 0.02)
+    pid = store.save(tid, current.version, tuning, plot_png(tuning.as_dict()), "test")
+    admin = signed_in(console, console.acme_admin)
+    base = "/console/tenants/acme/policy/proposals"
+    assert f"{base}/{pid}" in admin.get(base).text
+    page = admin.get(f"{base}/{pid}")
+    assert page.status_code == 200 and "sampling.max_tokens_cap" in page.text and 'id="apply"' in page.text
+    assert "40.0% fewer completion tokens" in page.text
+    assert admin.get(f"{base}/{pid}/plot.png").content.startswith(b"\x89PNG")
+    assert admin.get(f"{base}/99999999999").status_code == 422
+    beta = signed_in(console, console.beta_admin)
+    assert beta.get(f"{base}/{pid}").status_code == 404 and beta.get(f"{base}/{pid}/plot.png").status_code == 404
+
+    token = form_token(page.text)
+    r = admin.post(f"{base}/{pid}/apply", data={"csrf": token})
+    assert r.status_code == 303 and console.policy_version(console.acme_admin) == current.version + 1
+    assert console.live.app.state.policies.current(tid).policy.sampling.max_tokens_cap == 64
+    again = admin.post(f"{base}/{pid}/apply", data={"csrf": token})
+    assert again.status_code == 409 and "nothing to decide" in again.text
+
+
 def test_posts_without_the_sessions_csrf_token_are_refused(console: Console) -> None:
     admin = signed_in(console, console.acme_admin)
     other = signed_in(console, console.operator_admin)  # a token is bound to its session, so to its key

@@ -26,7 +26,14 @@ PUBLIC = {"/healthz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc
 PUBLIC |= {"/console/static/console.css"}
 ADMIN_OR_FINANCE = re.compile(r"^/v1/(admin|finance|engine)/|^/metrics$")
 # A value for each path parameter that passes its pattern, so the key check is what answers.
-PATH_VALUES = {"tenant": "acme", "name": "acme", "prefix": "sk-sb-0123456789", "model": "small"}
+PATH_VALUES = {
+    "tenant": "acme",
+    "name": "acme",
+    "prefix": "sk-sb-0123456789",
+    "model": "small",
+    "proposal": "1",
+    "pid": "1",
+}
 
 
 @pytest.fixture(scope="module")

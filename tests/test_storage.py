@@ -16,7 +16,7 @@ from gateway.tenants import TenantError, authenticate, create_key, create_tenant
 
 
 def test_migration_creates_exactly_the_models_schema(database: Database) -> None:
-    assert database.current_revision() == "0003"
+    assert database.current_revision() == "0004"
     with database.engine.connect() as conn:
         diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
     assert diff == []

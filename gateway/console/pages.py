@@ -15,6 +15,7 @@ from urllib.parse import quote, urlencode
 
 import anyio
 from fastapi import APIRouter, Depends, Request, Response
+from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, RedirectResponse
 from fastapi.routing import APIRoute
@@ -56,6 +57,7 @@ from gateway.tenants import (
     list_tenants,
     revoke_key,
 )
+from policies.proposals import ProposalError
 from policies.store import PolicyError
 
 HERE = Path(__file__).resolve().parent
@@ -315,6 +317,74 @@ async def rollback(request: Request, principal: AdminUser, form: Posted, t: Admi
     except (PolicyError, IntegrityError) as exc:
         return await _policy_page(request, t, None, 409, errors=[{"param": "version", "message": str(exc)}])
     return _redirect(_tenant_url(t.name, "/policy"), saved=saved)
+
+
+# --- admin: tuning proposals ---------------------------------------------------------------------------
+
+
+ProposalNumber = Annotated[int, PathParam(ge=1, le=2**31 - 1)]  # a 32-bit column: larger is a 422, not SQL's error
+
+
+@router.get("/tenants/{name}/policy/proposals")
+async def proposals(request: Request, t: AdminTenant) -> Response:
+    rows = await anyio.to_thread.run_sync(request.app.state.proposals.list, t.id)
+    return _page(request, "proposals.html", tenant=t, proposals=rows)
+
+
+async def _proposal_page(request: Request, t: Tenant, pid: int, status: int = 200, **context: Any) -> Response:
+    store = request.app.state.proposals
+    try:
+        p = await anyio.to_thread.run_sync(store.get, t.id, pid)
+    except ProposalError as exc:
+        raise APIError(404, str(exc)) from None
+    base = await anyio.to_thread.run_sync(request.app.state.policies.version, t.id, p.base_version)
+    diff = changes(base.policy.model_dump(mode="json"), p.policy.model_dump(mode="json"), limit=20)
+    return _page(request, "proposal.html", status, tenant=t, p=p, r=p.report, changes=diff, **context)
+
+
+@router.get("/tenants/{name}/policy/proposals/{pid}")
+async def proposal(request: Request, pid: ProposalNumber, t: AdminTenant) -> Response:
+    return await _proposal_page(request, t, pid)
+
+
+@router.get("/tenants/{name}/policy/proposals/{pid}/plot.png")
+async def proposal_plot(request: Request, pid: ProposalNumber, t: AdminTenant) -> Response:
+    try:
+        png = await anyio.to_thread.run_sync(request.app.state.proposals.plot, t.id, pid)
+    except ProposalError as exc:
+        raise APIError(404, str(exc)) from None
+    if png is None:
+        raise APIError(404, "This proposal has no plot.")
+    return Response(png, media_type="image/png")
+
+
+@router.post("/tenants/{name}/policy/proposals/{pid}/apply")
+async def apply_proposal(
+    request: Request, pid: ProposalNumber, principal: AdminUser, form: Posted, t: AdminTenant
+) -> Response:
+    try:
+        version = await anyio.to_thread.run_sync(request.app.state.proposals.apply, t.id, pid, principal.actor)
+    except ProposalError as exc:
+        if exc.code == "not_found":
+            raise APIError(404, str(exc)) from None
+        return await _proposal_page(request, t, pid, 409, error=str(exc))
+    except IntegrityError:
+        return await _proposal_page(request, t, pid, 409, error="The policy changed at the same moment; retry.")
+    return _redirect(_tenant_url(t.name, "/policy"), saved=version)
+
+
+@router.post("/tenants/{name}/policy/proposals/{pid}/reject")
+async def reject_proposal(
+    request: Request, pid: ProposalNumber, principal: AdminUser, form: Posted, t: AdminTenant
+) -> Response:
+    reason = form.get("reason", "").strip()[:200]
+    try:
+        await anyio.to_thread.run_sync(lambda: request.app.state.proposals.reject(t.id, pid, principal.actor, reason))
+    except ProposalError as exc:
+        if exc.code == "not_found":
+            raise APIError(404, str(exc)) from None
+        return await _proposal_page(request, t, pid, 409, error=str(exc))
+    return _redirect(_tenant_url(t.name, f"/policy/proposals/{pid}"))
 
 
 # --- admin: audit log ----------------------------------------------------------------------------------

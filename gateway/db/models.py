@@ -15,6 +15,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     Numeric,
     String,
     UniqueConstraint,
@@ -194,3 +195,24 @@ class RoutedPrompt(Base):
     p_small_ok: Mapped[float] = mapped_column(Float)
     tier: Mapped[str] = mapped_column(String(32))  # where the router sent it
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class PolicyProposal(Base):
+    """A policy `switchboard policy tune` proposed for a tenant, with its evidence (the report's table and
+    plot); an admin applies it (a new policy version) or rejects it."""
+
+    __tablename__ = "policy_proposals"
+    __table_args__ = (Index("ix_policy_proposals_tenant_id", "tenant_id", "id"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    base_version: Mapped[int] = mapped_column(Integer)  # the policy version it was tuned from
+    status: Mapped[str] = mapped_column(String(16))  # proposed | unchanged | applied | rejected
+    policy: Mapped[dict] = mapped_column(JSON)  # the whole proposed policy
+    report: Mapped[dict] = mapped_column(JSON)  # every candidate's tokens, cost, quality and interval
+    plot: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)  # PNG: cost against quality
+    created_by: Mapped[str] = mapped_column(String(64))  # "cli", "schedule" or an admin key
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    decided_by: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    decided_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    applied_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
