@@ -29,6 +29,9 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 from common import THREADS, say  # noqa: E402  (also checks OMP_NUM_THREADS)
 
+# The project's packages before this folder: bench/verifiers.py would shadow the `verifiers` package.
+sys.path[:] = [str(BENCH.parent), *(p for p in sys.path if Path(p or ".").resolve() != BENCH)]
+
 
 def _split(items: list, n: int, seed: int) -> tuple[list, list]:
     from router_model.datasets import sample

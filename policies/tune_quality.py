@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+import uuid
 from collections.abc import Mapping, Sequence
 
 import anyio
@@ -85,11 +86,12 @@ class Judge:
         hook = _FirstToken()
         params = SamplingParams(max_tokens=1, temperature=0.0)
         reqs, room = [], self.engine.max_model_len - 1
+        run = uuid.uuid4().hex[:8]  # request ids unique on a live engine
         for i, (question, answer) in enumerate(pairs):
             ids = self.engine.tokenizer.encode_chat(self.messages(question, answer))
             if len(ids) > room:  # too long even after the character cut: keep the template's end
                 ids = ids[:64] + ids[-(room - 64) :]
-            reqs.append(EngineRequest(f"judge-{i}", ids, params, priority=10, hook=hook))
+            reqs.append(EngineRequest(f"judge-{run}-{i}", ids, params, priority=10, hook=hook))
         firsts: dict[str, TokenLogprob | None] = {}
         texts: dict[str, str] = {}
         async with self.engine.open(reqs) as stream:

@@ -43,7 +43,8 @@ def plot_png(report: Mapping[str, Any], title: str = "Policy tuning: cost agains
         ax.errorbar(
             cost,
             r["quality"],
-            yerr=[[max(0.0, -r["ci_low"])], [max(0.0, r["ci_high"])]] if not current else None,
+            # The change's interval, around this candidate's quality: delta - low below, high - delta above.
+            yerr=[[max(0.0, r["delta"] - r["ci_low"])], [max(0.0, r["ci_high"] - r["delta"])]] if not current else None,
             fmt="o",
             color=color,
             alpha=0.9 if (chosen or current) else 0.5,
@@ -51,6 +52,9 @@ def plot_png(report: Mapping[str, Any], title: str = "Policy tuning: cost agains
         )
         if chosen or current:
             ax.annotate(r["name"], (cost, r["quality"]), textcoords="offset points", xytext=(6, 6), fontsize=8)
+    for color, label in (("black", "current policy"), ("tab:green", "proposal"), ("tab:blue", "qualifies"),
+                         ("tab:gray", "loses quality")):  # fmt: skip
+        ax.plot([], [], "o", color=color, label=label)
     base = next(r for r in report["rows"] if r["name"] == "current")
     ax.axhline(base["quality"] - report["tolerance"], color="red", linestyle=":", linewidth=0.8, label="tolerance")
     ax.set_xlabel("cost per 1,000 answers (USD)")

@@ -17,6 +17,7 @@ policy itself always qualifies, so "keep it" is a possible answer.
 from __future__ import annotations
 
 import hashlib
+import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
@@ -302,11 +303,12 @@ async def tune(
         raise TuningError("prompt ids must be unique")
     variants = list(variants) if variants is not None else generation_variants(base)
     scored: list[Scored] = []
+    run = uuid.uuid4().hex[:8]  # request ids unique on a live engine, whatever else runs there
     memo: dict[tuple[str, str], float] = {}  # (prompt, answer text) → quality: candidates often share answers
     for vi, variant in enumerate(variants):
         policy = variant.apply(base)
         progress(f"run {vi + 1}/{len(variants)}: {variant.name}")
-        answers = await answer_all(policy, prompts, engines, max_tokens, f"tune-{vi}")
+        answers = await answer_all(policy, prompts, engines, max_tokens, f"tune-{run}-{vi}")
         base_cap = policy.sampling.max_tokens_cap
         for cap in _caps([len(a.token_ids) for a in answers], base_cap):
             for stop in [(), *map(tuple, stops)]:
