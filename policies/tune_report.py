@@ -60,7 +60,7 @@ def plot_png(report: Mapping[str, Any], title: str = "Policy tuning: cost agains
     ax.set_xlabel("cost per 1,000 answers (USD)")
     ax.set_ylabel("quality (0-1; bars: 95% CI of the change)")
     ax.set_title(f"{title} (n={report['prompts']})")
-    ax.legend(loc="lower right")
+    ax.legend(loc="best", fontsize=8)
     ax.grid(alpha=0.3)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
