@@ -109,6 +109,7 @@ def test_matmul_for_picks_the_kernel() -> None:
 )
 # Mutants stay inside the tensors' bounds: the interpreter reads raw addresses and would not notice.
 def test_int8_broken_kernels_fail(monkeypatch: pytest.MonkeyPatch, old: str, new: str) -> None:
+    triton_support.poison_new_buffers(monkeypatch)
     broken = triton_support.mutant(triton_matmul, "_int8_matmul_kernel", old, new)
     monkeypatch.setattr(triton_matmul, "_int8_matmul_kernel", broken)
     qw = quantize_int8(weight(40, 96, 4))
@@ -118,6 +119,7 @@ def test_int8_broken_kernels_fail(monkeypatch: pytest.MonkeyPatch, old: str, new
 
 def test_epilogue_without_bias_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     """The shared epilogue is called by global name, so one broken copy breaks both kernels' bias."""
+    triton_support.poison_new_buffers(monkeypatch)
     broken = triton_support.mutant(triton_matmul, "_store_tile", "acc += tl.load(", "acc -= tl.load(")
     monkeypatch.setattr(triton_matmul, "_store_tile", broken)
     int8, int4 = quantize_int8(weight(40, 64, 6)), quantize_int4(weight(40, 64, 6))
@@ -137,6 +139,7 @@ def test_epilogue_without_bias_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     ],
 )
 def test_int4_broken_kernels_fail(monkeypatch: pytest.MonkeyPatch, old: str, new: str) -> None:
+    triton_support.poison_new_buffers(monkeypatch)
     broken = triton_support.mutant(triton_matmul, "_int4_matmul_kernel", old, new)
     monkeypatch.setattr(triton_matmul, "_int4_matmul_kernel", broken)
     qw = quantize_int4(weight(40, 256, 5), 128)

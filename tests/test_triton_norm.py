@@ -90,6 +90,7 @@ def test_strided_rows() -> None:
     ],
 )
 def test_broken_kernels_fail(monkeypatch: pytest.MonkeyPatch, old: str, new: str, eps: float) -> None:
+    triton_support.poison_new_buffers(monkeypatch)
     broken = triton_support.mutant(triton_norm, "_add_rms_norm_kernel", old, new)
     monkeypatch.setattr(triton_norm, "_add_rms_norm_kernel", broken)
     with pytest.raises(AssertionError):

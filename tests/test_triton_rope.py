@@ -73,6 +73,7 @@ def test_no_tokens() -> None:
     ],
 )  # fmt: skip
 def test_broken_kernels_fail(monkeypatch: pytest.MonkeyPatch, old: str, new: str) -> None:
+    triton_support.poison_new_buffers(monkeypatch)
     monkeypatch.setattr(triton_rope, "_rope_kernel", triton_support.mutant(triton_rope, "_rope_kernel", old, new))
     with pytest.raises(AssertionError):
         check(6, 4, 2, 16, torch.float32, shared=False)

@@ -17,10 +17,12 @@ import sys
 import textwrap
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
+import torch
 
 triton = pytest.importorskip("triton", reason="Triton is not installed")
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
@@ -29,6 +31,20 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 def interpreted(kernel: object) -> bool:
     """Whether `kernel` runs under the interpreter (it was decorated after TRITON_INTERPRET was set)."""
     return isinstance(kernel, InterpretedFunction)
+
+
+def poison_new_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """New float tensors from `torch.empty`/`empty_like` hold NaN for the rest of the test: an output row a
+    broken kernel leaves unwritten must not hold an earlier run's right answer (the allocator hands the
+    same memory back, so a mutant that skips a tile passed now and then)."""
+    for name in ("empty", "empty_like"):
+        make = getattr(torch, name)
+
+        def poisoned(*args: Any, _make: Any = make, **kwargs: Any) -> torch.Tensor:
+            out = _make(*args, **kwargs)
+            return out.fill_(float("nan")) if out.is_floating_point() else out
+
+        monkeypatch.setattr(torch, name, poisoned)
 
 
 def mutant(module: ModuleType, name: str, old: str, new: str) -> object:
