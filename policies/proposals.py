@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from gateway import audit
 from gateway.db.database import Database
@@ -143,7 +144,7 @@ class ProposalStore:
             )
 
     @staticmethod
-    def _open(s, tenant_id: int, proposal_id: int) -> PolicyProposal:  # noqa: ANN001
+    def _open(s: Session, tenant_id: int, proposal_id: int) -> PolicyProposal:
         row = s.get(PolicyProposal, proposal_id, with_for_update=True)
         if row is None or row.tenant_id != tenant_id:
             raise ProposalError(f"no proposal {proposal_id}", "not_found")

@@ -3,10 +3,11 @@
 A sample of prompts (a tenant's stored ones, or a shipped data set) is answered under candidate
 policies. Settings that change how a model writes (a concise-answer instruction, temperature and top-p
 defaults, a frequency penalty, the loop-stopping verifier) each take a generation run; settings that
-only end an answer sooner (a max-tokens cap, stop strings) are applied to those runs' tokens: with the
-same seeds an answer under a cap is the uncapped answer's first tokens (an answer is seeded per prompt,
-so runs are paired). Every answer is graded: a number check for GSM8K, unit tests for HumanEval, the
-judge tier for open chat (`policies.tune_quality`). Each candidate gets its tokens and cost per answer
+only end an answer sooner (a max-tokens cap, stop strings: given, or mined from how the current policy's
+answers end) are applied to those runs' tokens: with the same seeds an answer under a cap is the
+uncapped answer's first tokens (an answer is seeded per prompt, so runs are paired). Every answer is
+graded: a number check for GSM8K, unit tests for HumanEval, the judge tier for open chat
+(`policies.tune_quality`). Each candidate gets its tokens and cost per answer
 and its quality against the current policy's, paired per prompt, with a bootstrap 95% interval.
 
 The proposal is the cheapest candidate whose quality on the sample is within `tolerance` of the
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import uuid
+from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
@@ -290,6 +292,7 @@ async def tune(
     max_tokens: int = 512,
     tolerance: float = 0.02,
     stops: Sequence[Sequence[str]] = (),
+    mine_stops: bool = True,
     variants: Sequence[Candidate] | None = None,
     progress: Callable[[str], None] = lambda _: None,
     seed: int = 0,
@@ -305,25 +308,39 @@ async def tune(
     scored: list[Scored] = []
     run = uuid.uuid4().hex[:8]  # request ids unique on a live engine, whatever else runs there
     memo: dict[tuple[str, str], float] = {}  # (prompt, answer text) → quality: candidates often share answers
+    tried = [tuple(stop) for stop in stops if stop]
     for vi, variant in enumerate(variants):
         policy = variant.apply(base)
         progress(f"run {vi + 1}/{len(variants)}: {variant.name}")
         answers = await answer_all(policy, prompts, engines, max_tokens, f"tune-{run}-{vi}")
-        base_cap = policy.sampling.max_tokens_cap
-        for cap in _caps([len(a.token_ids) for a in answers], base_cap):
-            for stop in [(), *map(tuple, stops)]:
-                changes = dict(variant.changes)
-                name = variant.name
-                if cap is not None:
-                    changes["sampling.max_tokens_cap"], name = cap, f"{name}, cap {cap}"
-                if stop:
-                    changes["sampling.default_stop"], name = list(stop), f"{name}, stop {list(stop)!r}"
-                cut = [
-                    truncate(a, cap, stop, engines[a.prompt.tier].tokenizer.decode) if (cap or stop) else a
-                    for a in answers
-                ]
-                scored.append(await _score(Candidate(name, changes), base, cut, grade, memo))
+        if vi == 0 and mine_stops:  # how the current policy's answers tend to end
+            tried += [m for m in mined_stops(answers) if m not in tried]
+        # Each cut alone (caps, then stop strings), not every combination: each one's answers are graded.
+        cuts = [(cap, ()) for cap in _caps([len(a.token_ids) for a in answers], policy.sampling.max_tokens_cap)]
+        cuts += [(None, stop) for stop in tried if not policy.sampling.default_stop]
+        for cap, stop in cuts:
+            changes, name = dict(variant.changes), variant.name
+            if cap is not None:
+                changes["sampling.max_tokens_cap"], name = cap, f"{name}, cap {cap}"
+            if stop:
+                changes["sampling.default_stop"], name = list(stop), f"{name}, stop {list(stop)!r}"
+            decode = {tier: engines[tier].tokenizer.decode for tier in engines}
+            cut = [truncate(a, cap, stop, decode[a.prompt.tier]) if (cap or stop) else a for a in answers]
+            scored.append(await _score(Candidate(name, changes), base, cut, grade, memo))
     return choose(scored, tolerance, seed=seed)
+
+
+def mined_stops(answers: Sequence[Answer], min_share: float = 0.2, most: int = 2) -> list[tuple[str, ...]]:
+    """Stop strings worth trying: the openings (first two words) of last paragraphs that at least
+    `min_share` of the answers end with ("In summary,", "I hope", "Let me know"), as "\n\n" + opening.
+    A sign-off repeated across answers is often text nobody needed; the grading says whether it was."""
+    openings: Counter[str] = Counter()
+    for a in answers:
+        paragraphs = [p for p in a.text.split("\n\n") if p.strip()]
+        if len(paragraphs) >= 2 and (words := paragraphs[-1].split()[:2]):
+            openings[" ".join(words)] += 1
+    floor = max(2, min_share * len(answers))
+    return [("\n\n" + opening,) for opening, n in openings.most_common(most) if n >= floor]
 
 
 def _caps(lengths: list[int], current: int | None) -> list[int | None]:

@@ -44,6 +44,7 @@ from policies.tuning import (
     choose,
     generate,
     generation_variants,
+    mined_stops,
     truncate,
     tune,
 )
@@ -96,6 +97,19 @@ def test_candidates_are_valid_policies_and_skip_what_the_policy_already_has() ->
     names = [v.name for v in generation_variants(tuned)]
     assert "concise" not in names and "cooler" not in names and "concise+cooler+penalty" in names
     assert base.sampling.system_instruction is None  # apply copies
+
+
+def test_stop_strings_are_mined_from_how_many_answers_end() -> None:
+    def answer(text: str) -> Answer:
+        return Answer(_prompt(0), [1] * 10, text, 5, "stop")
+
+    signed = "The answer.\n\nI hope this helps!"
+    answers = [answer(signed), answer(signed.replace("this", "that")), answer("Short."), answer("A\n\nB c"),
+               answer("Plain.\n\nI hope so.")]  # fmt: skip
+    assert mined_stops(answers) == [("\n\nI hope",)]  # 3 of 5 end so; "B c" only once
+    assert mined_stops(answers[2:4]) == []
+    cut = truncate(answer(signed), None, ("\n\nI hope",), lambda ids: signed[: 4 * len(ids)])
+    assert cut.text == "The answer." and cut.finish_reason == "stop"
 
 
 def test_caps_are_quantiles_below_the_longest_answer_and_the_current_cap() -> None:
@@ -245,7 +259,8 @@ def test_a_synthetic_tenants_proposal_is_applied_audited_and_enforced(
     report = listed[0]["report"]
     chosen = next(r for r in report["rows"] if r["name"] == report["chosen"])
     assert chosen["eligible"] and chosen["delta"] >= -report["tolerance"] and report["token_reduction"] > 0
-    assert "sampling.max_tokens_cap" in chosen["changes"]  # every answer counts alike: a cap is cheapest
+    # Every answer counts alike, so an answer cut sooner is cheaper at no loss: a cap or a stop string wins.
+    assert {"sampling.max_tokens_cap", "sampling.default_stop"} & set(chosen["changes"])
     png = httpx.get(live.base_url + listed[0]["plot"], headers=headers)
     assert png.status_code == 200 and png.content.startswith(b"\x89PNG")
 
@@ -267,14 +282,17 @@ def test_a_synthetic_tenants_proposal_is_applied_audited_and_enforced(
         assert entry is not None and entry.after == row.policy and row.applied_version == 1
         assert entry.actor.startswith("admin")
 
-    # The gateway enforces the applied policy: its cap and, if chosen, its instruction.
+    # The gateway enforces the applied policy: its cap or stop string and, if chosen, its instruction.
     policy = policies.current(tenant.id).policy
-    cap = policy.sampling.max_tokens_cap
+    cap, stops = policy.sampling.max_tokens_cap, policy.sampling.default_stop
     client = openai.OpenAI(base_url=f"{live.base_url}/v1", api_key=app_key)
     messages = [{"role": "user", "content": QUESTIONS[3]}]
-    r = client.chat.completions.create(model="small", messages=messages, max_tokens=cap + 50)  # type: ignore[arg-type]
+    asked = (cap or 96) + 50
+    r = client.chat.completions.create(model="small", messages=messages, max_tokens=asked, seed=7)  # type: ignore[arg-type]
     (usage,) = live.wait_for_usage(r.id)
-    assert usage.effective_max_tokens == cap and usage.completion_tokens <= cap and usage.policy_version == 1
+    assert usage.effective_max_tokens == (cap or asked) and usage.policy_version == 1
+    assert usage.completion_tokens <= (cap or asked)
+    assert not any(stop in (r.choices[0].message.content or "") for stop in stops)
     shown = instructed(messages, policy.sampling.system_instruction)
     assert usage.prompt_tokens == len(small_engine.tokenizer.encode_chat(shown))
 
