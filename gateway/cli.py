@@ -187,11 +187,11 @@ def _parser() -> argparse.ArgumentParser:
     plist.set_defaults(handler=_policy_proposals)
     papply = policy.add_parser("apply", help="apply a tuning proposal as the tenant's new policy version")
     papply.add_argument("tenant", metavar="TENANT")
-    papply.add_argument("proposal", type=int, metavar="ID")
+    papply.add_argument("proposal", type=_proposal_id, metavar="ID")
     papply.set_defaults(handler=_policy_apply)
     preject = policy.add_parser("reject", help="reject a tuning proposal")
     preject.add_argument("tenant", metavar="TENANT")
-    preject.add_argument("proposal", type=int, metavar="ID")
+    preject.add_argument("proposal", type=_proposal_id, metavar="ID")
     preject.add_argument("--reason", default="")
     preject.set_defaults(handler=_policy_reject)
     return p
@@ -634,6 +634,13 @@ def _router_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _proposal_id(text: str) -> int:
+    """A proposal's number, as the API takes it (a 32-bit column)."""
+    if not (text.isascii() and text.isdigit() and 1 <= int(text) <= 2**31 - 1):
+        raise argparse.ArgumentTypeError(f"not a proposal number: {text!r}")
+    return int(text)
+
+
 def _proposal_stores(tenant: str) -> tuple[int, Any, Any]:
     from gateway.tenants import tenant_by_name
     from policies.proposals import ProposalStore
@@ -652,6 +659,7 @@ def _policy_tune(args: argparse.Namespace) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(settings.max_threads))  # before torch starts, as in serve
     import asyncio
 
+    from engines.protocol import EngineUnavailable
     from gateway.tiers import load_engines
     from policies.tune_report import table
     from policies.tune_run import TuneRequest, tune_tenant
@@ -672,7 +680,7 @@ def _policy_tune(args: argparse.Namespace) -> int:
             tune_tenant(request, engines, policies, proposals, settings.home_dir, "cli",
                         progress=lambda line: print(line, file=sys.stderr, flush=True))
         )  # fmt: skip
-    except (TuningError, OSError) as exc:
+    except (TuningError, EngineUnavailable, OSError) as exc:
         raise _Failure(str(exc)) from None
     finally:
         for engine in set(engines.values()):
@@ -701,6 +709,8 @@ def _policy_proposals(args: argparse.Namespace) -> int:
 
 
 def _policy_apply(args: argparse.Namespace) -> int:
+    from sqlalchemy.exc import IntegrityError
+
     from policies.proposals import ProposalError
 
     tenant_id, _, proposals = _proposal_stores(args.tenant)
@@ -708,6 +718,8 @@ def _policy_apply(args: argparse.Namespace) -> int:
         version = proposals.apply(tenant_id, args.proposal, "cli")
     except ProposalError as exc:
         raise _Failure(str(exc)) from None
+    except IntegrityError:
+        raise _Failure("the policy changed at the same moment; run it again") from None
     print(f"proposal {args.proposal} applied: {args.tenant} is on policy v{version}")
     return 0
 

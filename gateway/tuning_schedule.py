@@ -15,11 +15,12 @@ from pathlib import Path
 
 import anyio
 from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
 
 from engines.protocol import TierEngine
 from gateway.db.database import Database
 from gateway.db.models import Tenant
-from policies.proposals import PROPOSED, ProposalStore
+from policies.proposals import PROPOSED, ProposalError, ProposalStore
 from policies.store import PolicyStore
 from policies.tune_run import TuneRequest, tune_tenant
 from policies.tuning import Candidate
@@ -86,11 +87,22 @@ class TuningSchedule:
                 self._failed[tenant_id] = now
                 continue
             made.append(pid)
-            proposal = await anyio.to_thread.run_sync(self.proposals.get, tenant_id, pid)
-            if t.auto_apply and proposal.status == PROPOSED:
-                version = await anyio.to_thread.run_sync(self.proposals.apply, tenant_id, pid, f"{ACTOR} (auto_apply)")
-                log.info("tenant %d: tuning proposal %d applied as policy v%d (auto_apply)", tenant_id, pid, version)
+            if t.auto_apply:
+                await self._auto_apply(tenant_id, pid)
         return made
+
+    async def _auto_apply(self, tenant_id: int, pid: int) -> None:
+        """Apply a tenant's fresh proposal; a refusal (the policy changed during the run, another replica
+        decided first) is logged and leaves the proposal for an admin."""
+        try:
+            proposal = await anyio.to_thread.run_sync(self.proposals.get, tenant_id, pid)
+            if proposal.status != PROPOSED:
+                return
+            version = await anyio.to_thread.run_sync(self.proposals.apply, tenant_id, pid, f"{ACTOR} (auto_apply)")
+        except (ProposalError, IntegrityError) as exc:
+            log.warning("tenant %d: tuning proposal %d not applied: %s", tenant_id, pid, exc)
+            return
+        log.info("tenant %d: tuning proposal %d applied as policy v%d (auto_apply)", tenant_id, pid, version)
 
     async def run_forever(self, every: float) -> None:
         while True:

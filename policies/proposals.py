@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import select
-from sqlalchemy.orm import Session
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session, defer
 
 from gateway import audit
 from gateway.db.database import Database
@@ -35,7 +35,7 @@ class Proposal:
     tenant_id: int
     base_version: int
     status: str
-    policy: Policy
+    policy: dict  # as stored: validated when applied (an old proposal may predate today's schema)
     report: dict
     has_plot: bool
     created_by: str
@@ -81,7 +81,7 @@ class ProposalStore:
             row = s.get(PolicyProposal, proposal_id)
             if row is None or row.tenant_id != tenant_id:  # another tenant's proposal does not exist here
                 raise ProposalError(f"no proposal {proposal_id}", "not_found")
-            return _proposal(row)
+            return _proposal(row, row.plot is not None)
 
     def plot(self, tenant_id: int, proposal_id: int) -> bytes | None:
         with self.db.session() as s:
@@ -92,13 +92,14 @@ class ProposalStore:
 
     def list(self, tenant_id: int, limit: int = 50) -> list[Proposal]:
         with self.db.session() as s:
-            rows = s.scalars(
-                select(PolicyProposal)
+            rows = s.execute(
+                select(PolicyProposal, PolicyProposal.plot.is_not(None))
+                .options(defer(PolicyProposal.plot))  # the PNGs stay in the database: a list shows none
                 .where(PolicyProposal.tenant_id == tenant_id)
                 .order_by(PolicyProposal.id.desc())
                 .limit(limit)
             )
-            return [_proposal(r) for r in rows]
+            return [_proposal(row, bool(has_plot)) for row, has_plot in rows]
 
     def latest_created(self, tenant_id: int) -> datetime | None:
         """When the tenant's newest proposal was made (the schedule's clock)."""
@@ -111,29 +112,32 @@ class ProposalStore:
             )
 
     def apply(self, tenant_id: int, proposal_id: int, actor: str) -> int:
-        """The new policy version. The decision is recorded in the same transaction as the version and its
-        audit row, so two admins applying at once make one version (the other gets `decided`)."""
+        """The new policy version. The decision, the version and its audit row commit together; the decision
+        is taken by a conditional update, so of two admins deciding at once one wins and the other gets
+        `decided` (on SQLite too, where a row lock does nothing)."""
         with self.db.session() as s:
-            row = self._open(s, tenant_id, proposal_id)
+            row = self._decide(s, tenant_id, proposal_id, APPLIED, actor)
             current = self.policies.current_version(tenant_id, s)
-            if current != row.base_version:
+            if current != row.base_version:  # raising rolls the decision back
                 raise ProposalError(
                     f"the policy is at version {current}, and this proposal was tuned from version "
                     f"{row.base_version}: run the tuning again",
                     "stale",
                 )
-            policy = Policy.model_validate(row.policy)
+            try:
+                policy = Policy.model_validate(row.policy)
+            except ValueError as exc:
+                raise ProposalError(f"the proposed policy is no longer valid: {exc}", "invalid") from None
             version = self.policies.write(
                 s, tenant_id, policy, actor, f"tuning proposal {proposal_id}", action="policy.tune"
             )
-            row.status, row.decided_by, row.decided_at, row.applied_version = APPLIED, actor[:64], utcnow(), version
+            row.applied_version = version
         self.policies.invalidate(tenant_id)
         return version
 
     def reject(self, tenant_id: int, proposal_id: int, actor: str, reason: str = "") -> None:
         with self.db.session() as s:
-            row = self._open(s, tenant_id, proposal_id)
-            row.status, row.decided_by, row.decided_at = REJECTED, actor[:64], utcnow()
+            self._decide(s, tenant_id, proposal_id, REJECTED, actor)
             audit.record(
                 s,
                 actor,
@@ -144,24 +148,35 @@ class ProposalStore:
             )
 
     @staticmethod
-    def _open(s: Session, tenant_id: int, proposal_id: int) -> PolicyProposal:
-        row = s.get(PolicyProposal, proposal_id, with_for_update=True)
+    def _decide(s: Session, tenant_id: int, proposal_id: int, status: str, actor: str) -> PolicyProposal:
+        """Mark an open proposal decided, as the transaction's first write; raise if it is not open."""
+        done = s.execute(
+            update(PolicyProposal)
+            .where(
+                PolicyProposal.id == proposal_id,
+                PolicyProposal.tenant_id == tenant_id,
+                PolicyProposal.status == PROPOSED,
+            )
+            .values(status=status, decided_by=actor[:64], decided_at=utcnow())
+            .execution_options(synchronize_session=False)
+        )
+        row = s.get(PolicyProposal, proposal_id, populate_existing=True)
         if row is None or row.tenant_id != tenant_id:
             raise ProposalError(f"no proposal {proposal_id}", "not_found")
-        if row.status != PROPOSED:
+        if done.rowcount != 1:
             raise ProposalError(f"proposal {proposal_id} is {row.status}: nothing to decide", "decided")
         return row
 
 
-def _proposal(row: PolicyProposal) -> Proposal:
+def _proposal(row: PolicyProposal, has_plot: bool) -> Proposal:
     return Proposal(
         id=row.id,
         tenant_id=row.tenant_id,
         base_version=row.base_version,
         status=row.status,
-        policy=Policy.model_validate(row.policy),
+        policy=row.policy,
         report=row.report,
-        has_plot=row.plot is not None,
+        has_plot=has_plot,
         created_by=row.created_by,
         created_at=row.created_at,
         decided_by=row.decided_by,

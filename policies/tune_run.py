@@ -7,6 +7,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import anyio
+
 from engines.protocol import TierEngine
 from policies.proposals import ProposalStore
 from policies.store import PolicyStore
@@ -45,18 +47,23 @@ async def tune_tenant(
     tenant's own check of its answers)."""
     if request.sample < 1:
         raise TuningError("the sample needs at least one prompt")
+    # SQL, files, plotting and tokenizing go to threads: on a serving gateway this runs on its event loop.
     if request.dataset is None:
-        prompts = tenant_prompts(policies.db, request.tenant_id, request.sample, list(engines), request.seed)
+        prompts = await anyio.to_thread.run_sync(
+            tenant_prompts, policies.db, request.tenant_id, request.sample, list(engines), request.seed
+        )
     else:
         if request.tier not in engines:
             raise TuningError(f"no tier {request.tier!r}; the tiers are {', '.join(engines)}")
-        prompts = dataset_prompts(home, request.dataset, request.sample, request.tier, request.seed)
+        prompts = await anyio.to_thread.run_sync(
+            dataset_prompts, home, request.dataset, request.sample, request.tier, request.seed
+        )
     judge = None
     if grade is None and any(p.grader == "judge" for p in prompts):
         if request.judge_tier not in engines:
             raise TuningError(f"no judge tier {request.judge_tier!r}; the tiers are {', '.join(engines)}")
         judge = Judge(engines[request.judge_tier])
-    current = policies.current(request.tenant_id)
+    current = await anyio.to_thread.run_sync(policies.current, request.tenant_id)
     progress(f"tuning on {len(prompts)} prompts from policy v{current.version}")
     tuning = await tune(
         current.policy,
@@ -72,7 +79,9 @@ async def tune_tenant(
     )
     report = tuning.as_dict()
     source = request.dataset or "stored prompts"
-    plot = plot_png(report, f"Policy tuning, {source}")
+    plot = await anyio.to_thread.run_sync(plot_png, report, f"Policy tuning, {source}")
     report["source"] = source
-    pid = proposals.save(request.tenant_id, current.version, tuning, plot, actor, report=report)
+    pid = await anyio.to_thread.run_sync(
+        lambda: proposals.save(request.tenant_id, current.version, tuning, plot, actor, report=report)
+    )
     return pid, tuning

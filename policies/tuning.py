@@ -21,12 +21,14 @@ import hashlib
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from typing import Any
 
+import anyio
 import numpy as np
 
+from engines.engine import RequestRejected
 from engines.protocol import TierEngine
 from engines.request import EngineRequest, FinishReason
 from engines.sampling import SamplingParams
@@ -97,14 +99,17 @@ def generation_variants(base: Policy) -> list[Candidate]:
         cooler["sampling.top_p_default"] = 0.9
     penalty = {"sampling.frequency_penalty_default": 0.2} if s.frequency_penalty_default is None else {}
     enabled = list(base.verifiers.enabled)
-    loops = {"verifiers.enabled": [*enabled, "degeneration"]} if "degeneration" not in enabled else {}
+    # A looped answer that a cascade retries on a larger tier costs more, not less: tuning does not model it.
+    loops = {}
+    if "degeneration" not in enabled and not base.verifiers.cascade:
+        loops = {"verifiers.enabled": [*enabled, "degeneration"]}
     variants = [
         Candidate("current", {}),
         Candidate("concise", concise),
         Candidate("cooler", cooler),
         Candidate("concise+cooler", {**concise, **cooler}),
         Candidate("concise+cooler+penalty", {**concise, **cooler, **penalty}),
-        Candidate("concise+cooler+loop stop", {**concise, **cooler, **loops}),
+        Candidate("concise+cooler+loop stop", {**concise, **cooler, **loops} if loops else {}),
     ]
     seen: set[tuple] = set()
     out = []
@@ -163,6 +168,7 @@ class Tuning:
     prompts: int
     tolerance: float
     policy: Policy  # the chosen candidate's whole policy
+    skipped: int = 0  # prompts of the sample left out: too long for their tier
 
     @property
     def baseline(self) -> Row:
@@ -181,6 +187,7 @@ class Tuning:
             "chosen": self.chosen,
             "prompts": self.prompts,
             "tolerance": self.tolerance,
+            "skipped": self.skipped,
             "token_reduction": round(self.token_reduction, 4),
             "quality_delta": round(self.proposal.delta, 4),
             "quality_ci": [round(self.proposal.ci_low, 4), round(self.proposal.ci_high, 4)],
@@ -247,12 +254,16 @@ async def answer_all(
     answers: list[Answer] = []
     for tier in sorted({p.tier for p in prompts}):
         engine = engines[tier]
-        batch = {}
-        for i, p in enumerate(prompts):
-            if p.tier == tier:
-                rid = f"{tag}-{i}"
-                batch[rid] = (p, request_for(p, policy, engine, max_tokens, rid))
-        answers.extend(await generate(engine, batch))
+
+        def build(engine: TierEngine = engine, tier: str = tier) -> dict[str, tuple[TunePrompt, EngineRequest]]:
+            batch = {}
+            for i, p in enumerate(prompts):
+                if p.tier == tier:
+                    rid = f"{tag}-{i}"
+                    batch[rid] = (p, request_for(p, policy, engine, max_tokens, rid))
+            return batch
+
+        answers.extend(await generate(engine, await anyio.to_thread.run_sync(build)))  # tokenizing: off the loop
     order = {id(p): i for i, p in enumerate(prompts)}
     return sorted(answers, key=lambda a: order[id(a.prompt)])
 
@@ -305,6 +316,12 @@ async def tune(
     if len({p.id for p in prompts}) != len(prompts):
         raise TuningError("prompt ids must be unique")
     variants = list(variants) if variants is not None else generation_variants(base)
+    kept = await anyio.to_thread.run_sync(_fitting, prompts, [v.apply(base) for v in variants], engines)
+    if not kept:
+        raise TuningError("no prompt of the sample fits its tier's context under every candidate")
+    skipped, prompts = len(prompts) - len(kept), kept
+    if skipped:
+        progress(f"{skipped} prompts left out: too long for their tier under some candidate")
     scored: list[Scored] = []
     run = uuid.uuid4().hex[:8]  # request ids unique on a live engine, whatever else runs there
     memo: dict[tuple[str, str], float] = {}  # (prompt, answer text) → quality: candidates often share answers
@@ -324,10 +341,35 @@ async def tune(
                 changes["sampling.max_tokens_cap"], name = cap, f"{name}, cap {cap}"
             if stop:
                 changes["sampling.default_stop"], name = list(stop), f"{name}, stop {list(stop)!r}"
-            decode = {tier: engines[tier].tokenizer.decode for tier in engines}
-            cut = [truncate(a, cap, stop, decode[a.prompt.tier]) if (cap or stop) else a for a in answers]
+            cut = answers
+            if cap or stop:  # decoding: off the loop
+                cut = await anyio.to_thread.run_sync(_cut_all, answers, cap, stop, engines)
             scored.append(await _score(Candidate(name, changes), base, cut, grade, memo))
-    return choose(scored, tolerance, seed=seed)
+    return replace(choose(scored, tolerance, seed=seed), skipped=skipped)
+
+
+def _cut_all(
+    answers: list[Answer], cap: int | None, stop: tuple[str, ...], engines: Mapping[str, TierEngine]
+) -> list[Answer]:
+    return [truncate(a, cap, stop, engines[a.prompt.tier].tokenizer.decode) for a in answers]
+
+
+def _fitting(
+    prompts: Sequence[TunePrompt], policies: Sequence[Policy], engines: Mapping[str, TierEngine]
+) -> list[TunePrompt]:
+    """The prompts every candidate can run (with its instruction, and at least one new token): one the
+    engine would refuse must not end the whole tuning."""
+    instructions = {p.sampling.system_instruction for p in policies}
+    kept = []
+    for p in prompts:
+        engine = engines[p.tier]
+        try:
+            for instruction in instructions:
+                engine.check(engine.tokenizer.encode_chat(instructed(p.messages, instruction)), 1)
+        except RequestRejected:
+            continue
+        kept.append(p)
+    return kept
 
 
 def mined_stops(answers: Sequence[Answer], min_share: float = 0.2, most: int = 2) -> list[tuple[str, ...]]:
@@ -344,12 +386,13 @@ def mined_stops(answers: Sequence[Answer], min_share: float = 0.2, most: int = 2
 
 
 def _caps(lengths: list[int], current: int | None) -> list[int | None]:
-    """No new cap, and caps at quantiles of the run's answer lengths (rounded up to 16) below the current."""
+    """No new cap, and caps at quantiles of the run's answer lengths (rounded up to 16, at least 16) that
+    would cut something and are below the current cap."""
     caps: list[int | None] = [None]
     for q in CAP_QUANTILES:
-        cap = int(-(-np.quantile(lengths, q) // 16) * 16)
+        cap = max(16, int(-(-np.quantile(lengths, q) // 16) * 16))
         if cap < max(lengths) and (current is None or cap < current) and cap not in caps:
-            caps.append(max(cap, 16))
+            caps.append(cap)
     return caps
 
 

@@ -97,6 +97,8 @@ def test_candidates_are_valid_policies_and_skip_what_the_policy_already_has() ->
     names = [v.name for v in generation_variants(tuned)]
     assert "concise" not in names and "cooler" not in names and "concise+cooler+penalty" in names
     assert base.sampling.system_instruction is None  # apply copies
+    cascading = Policy.model_validate({"verifiers": {"cascade": True, "checks": ["math"]}})
+    assert all("loop stop" not in v.name for v in generation_variants(cascading))  # a loop it retries costs more
 
 
 def test_stop_strings_are_mined_from_how_many_answers_end() -> None:
@@ -117,6 +119,7 @@ def test_caps_are_quantiles_below_the_longest_answer_and_the_current_cap() -> No
     assert _caps(lengths, None) == [None, 768, 912, 976]  # quantiles 0.75, 0.9, 0.97 rounded up to 16
     assert _caps(lengths, 950) == [None, 768, 912]
     assert _caps(list(range(10, 210, 10)), None) == [None, 160, 192]  # 0.97's 208 would cut nothing
+    assert _caps([0] * 10 + [40], None) == [None, 16, 32]  # at least 16, each once
 
 
 # --- the choice ------------------------------------------------------------------------------------------
@@ -202,12 +205,15 @@ def test_the_judge_rates_one_answer_at_a_time_from_its_digit_probabilities(small
 
 
 def test_tuning_with_the_judge_proposes_a_valid_policy(small_engine: AsyncEngine) -> None:
-    prompts = [_prompt(i) for i in range(4)]
+    long = [{"role": "user", "content": "word " * (small_engine.max_model_len + 10)}]
+    huge = TunePrompt("p/huge", long, "small", "judge")
+    prompts = [_prompt(i) for i in range(4)] + [huge]  # one the engine would refuse is left out, not fatal
     variants = [Candidate("current", {}), Candidate("concise", {"sampling.system_instruction": CONCISE})]
     engines = {"small": small_engine}
     t = asyncio.run(
         tune(Policy(), prompts, engines, grader(Judge(small_engine)), max_tokens=32, variants=variants, tolerance=0.05)
     )
+    assert t.skipped == 1 and t.prompts == 4
     names = [r.name for r in t.rows]
     assert names[0] == "current" and "concise" in names and len(names) >= 2
     chosen = t.proposal
@@ -342,6 +348,11 @@ def test_the_schedule_proposes_when_due_and_applies_only_when_opted_in(
     else:
         assert mine["auto"].status == "unchanged" and policies.current(ids["auto"]).version == 1
     assert not set(ids.values()) & set(schedule.due(now + timedelta(hours=1)))  # done for today
+    # A proposal the policy moved past is not applied by the schedule, nor does it stop the pass.
+    stale = proposals.save(ids["sched"], 0, choose([_scored("current", "1", [1.0]), _scored("x", "0.5", [1.0])],
+                                                   0.02), None, "test")  # fmt: skip
+    asyncio.run(schedule._auto_apply(ids["sched"], stale))
+    assert proposals.get(ids["sched"], stale).status == "proposed"
     assert set(ids.values()) <= set(schedule.due(now + timedelta(days=1, minutes=1)))
 
 

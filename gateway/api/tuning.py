@@ -16,7 +16,6 @@ from sqlalchemy.exc import IntegrityError
 from gateway.api.params import TenantName
 from gateway.auth import AdminPrincipal, PolicyReader, visible_tenant
 from gateway.errors import APIError, documented
-from policies.policy import Policy
 from policies.proposals import Proposal, ProposalError
 
 router = APIRouter(
@@ -33,7 +32,7 @@ class ProposalOut(BaseModel):
     tenant: str
     status: str = Field(description="proposed | unchanged (the policy in force is the cheapest) | applied | rejected")
     base_version: int = Field(description="the policy version it was tuned from")
-    policy: Policy
+    policy: dict[str, Any] = Field(description="the whole proposed policy (the `Policy` schema)")
     report: dict[str, Any] = Field(description="every candidate's tokens, cost, quality and 95% interval")
     plot: str | None = Field(description="where the PNG of cost against quality is")
     created_by: str

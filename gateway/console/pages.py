@@ -338,7 +338,7 @@ async def _proposal_page(request: Request, t: Tenant, pid: int, status: int = 20
     except ProposalError as exc:
         raise APIError(404, str(exc)) from None
     base = await anyio.to_thread.run_sync(request.app.state.policies.version, t.id, p.base_version)
-    diff = changes(base.policy.model_dump(mode="json"), p.policy.model_dump(mode="json"), limit=20)
+    diff = changes(base.policy.model_dump(mode="json"), p.policy, limit=20)
     return _page(request, "proposal.html", status, tenant=t, p=p, r=p.report, changes=diff, **context)
 
 
