@@ -78,17 +78,12 @@ class ProposalStore:
 
     def get(self, tenant_id: int, proposal_id: int) -> Proposal:
         with self.db.session() as s:
-            row = s.get(PolicyProposal, proposal_id)
-            if row is None or row.tenant_id != tenant_id:  # another tenant's proposal does not exist here
-                raise ProposalError(f"no proposal {proposal_id}", "not_found")
+            row = _row(s, tenant_id, proposal_id)
             return _proposal(row, row.plot is not None)
 
     def plot(self, tenant_id: int, proposal_id: int) -> bytes | None:
         with self.db.session() as s:
-            row = s.get(PolicyProposal, proposal_id)
-            if row is None or row.tenant_id != tenant_id:
-                raise ProposalError(f"no proposal {proposal_id}", "not_found")
-            return row.plot
+            return _row(s, tenant_id, proposal_id).plot
 
     def list(self, tenant_id: int, limit: int = 50) -> list[Proposal]:
         with self.db.session() as s:
@@ -160,12 +155,18 @@ class ProposalStore:
             .values(status=status, decided_by=actor[:64], decided_at=utcnow())
             .execution_options(synchronize_session=False)
         )
-        row = s.get(PolicyProposal, proposal_id, populate_existing=True)
-        if row is None or row.tenant_id != tenant_id:
-            raise ProposalError(f"no proposal {proposal_id}", "not_found")
+        row = _row(s, tenant_id, proposal_id)
         if done.rowcount != 1:
             raise ProposalError(f"proposal {proposal_id} is {row.status}: nothing to decide", "decided")
         return row
+
+
+def _row(s: Session, tenant_id: int, proposal_id: int) -> PolicyProposal:
+    """The tenant's proposal, as the database has it now; another tenant's does not exist here."""
+    row = s.get(PolicyProposal, proposal_id, populate_existing=True)
+    if row is None or row.tenant_id != tenant_id:
+        raise ProposalError(f"no proposal {proposal_id}", "not_found")
+    return row
 
 
 def _proposal(row: PolicyProposal, has_plot: bool) -> Proposal:

@@ -164,8 +164,8 @@ class PolicyStore:
 
     @staticmethod
     def _latest(s: Session, tenant_id: int) -> PolicyVersion | None:
-        top = s.scalar(select(func.max(PolicyVersion.version)).where(PolicyVersion.tenant_id == tenant_id))
-        if top is None:
+        top = PolicyStore.current_version(tenant_id, s)
+        if top == 0:  # no version stored: the built-in default
             return None
         return s.scalar(select(PolicyVersion).where(PolicyVersion.tenant_id == tenant_id, PolicyVersion.version == top))
 

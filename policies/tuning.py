@@ -138,7 +138,6 @@ class Scored:
     tokens: np.ndarray
     costs: list[Decimal]
     quality: np.ndarray
-    texts: list[str] = field(default_factory=list, repr=False)
 
     @property
     def mean_cost(self) -> Decimal:
@@ -412,7 +411,6 @@ async def _score(
         tokens=np.array([len(a.token_ids) for a in answers], dtype=float),
         costs=costs,
         quality=np.array([memo[(a.prompt.id, a.text)] for a in answers], dtype=float),
-        texts=[a.text for a in answers],
     )
 
 

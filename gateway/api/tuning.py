@@ -54,21 +54,9 @@ class Applied(BaseModel):
 
 
 def _out(p: Proposal, tenant: str, request: Request) -> ProposalOut:
-    plot = f"{request.url_for('proposal_plot', tenant=tenant, proposal=p.id).path}" if p.has_plot else None
-    return ProposalOut(
-        id=p.id,
-        tenant=tenant,
-        status=p.status,
-        base_version=p.base_version,
-        policy=p.policy,
-        report=p.report,
-        plot=plot,
-        created_by=p.created_by,
-        created_at=p.created_at,
-        decided_by=p.decided_by,
-        decided_at=p.decided_at,
-        applied_version=p.applied_version,
-    )
+    plot = request.url_for("proposal_plot", tenant=tenant, proposal=p.id).path if p.has_plot else None
+    fields = {k: v for k, v in p.__dict__.items() if k not in ("tenant_id", "has_plot")}
+    return ProposalOut(tenant=tenant, plot=plot, **fields)
 
 
 def _error(exc: ProposalError) -> APIError:
