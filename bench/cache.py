@@ -183,7 +183,7 @@ def main() -> None:
     rng = random.Random(args.seed)
 
     import services
-    from gateway.settings import Settings
+    from core.settings import Settings
     from gateway.tenants import create_tenant
     from policies.policy import Policy
 

@@ -36,7 +36,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench/gpu.py: no CUDA device on this machine; nothing to measure (see tests/test_triton_*)")
         return 0
-    from gateway.settings import Settings
+    from core.settings import Settings
 
     settings = Settings()
     rows = []

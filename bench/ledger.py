@@ -50,16 +50,16 @@ from typing import Any, cast
 
 from sqlalchemy import func, insert, select, text
 
+from core.db.database import Database
+from core.db.models import Tenant, Usage, UsageDaily
+from core.settings import Settings, TierSettings
 from engines.async_engine import AsyncEngine
 from engines.engine import RequestRejected
 from engines.request import EngineRequest, FinishReason, RequestOutput
-from gateway.db.database import Database
-from gateway.db.models import Tenant, Usage, UsageDaily
 from gateway.ledger import AMOUNTS, COUNTS, Ledger, UsageRecord, rebuild_rollup
 from gateway.pipeline import Pipeline
 from gateway.reports import costs, savings
 from gateway.schemas import ChatCompletionRequest
-from gateway.settings import Settings, TierSettings
 from gateway.tenants import Principal, authenticate, create_tenant
 from policies.budgets import Budgets, Reservation
 from policies.counters import LocalCounters, RedisCounters

@@ -337,7 +337,7 @@ def cpu_seconds(pid: int) -> float:
 
 def start_gateway(home: Path, sqlite: bool, log: Path, cprofile: Path | None = None) -> Gateway:
     import services
-    from gateway.db.database import Database
+    from core.db.database import Database
     from gateway.tenants import create_tenant
     from policies.policy import Budget, Policy, RateLimits
     from policies.store import PolicyStore

@@ -29,10 +29,12 @@ from engines.engine import Engine, EngineConfig
 from engines.fetch import fetch_model
 from engines.model_config import ModelConfig
 from engines.moe_build import build_moe
-from engines.quality import gsm8k_accuracy, heldout_text, load_gsm8k, perplexity
+from engines.quality import perplexity
 from engines.quantized_checkpoint import fetch_quantized
 from engines.request import EngineRequest
 from engines.sampling import SamplingParams
+from gateway.model_quality import gsm8k_accuracy
+from grading.datasets import heldout_text, load_gsm8k
 
 MODEL = "qwen2.5-coder-1.5b-instruct"
 

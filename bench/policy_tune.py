@@ -34,7 +34,7 @@ sys.path[:] = [str(BENCH.parent), *(p for p in sys.path if Path(p or ".").resolv
 
 
 def _split(items: list, n: int, seed: int) -> tuple[list, list]:
-    from router_model.datasets import sample
+    from grading.datasets import sample
 
     picked = sample(items, 2 * n, seed)
     return picked[0::2], picked[1::2]
@@ -42,8 +42,9 @@ def _split(items: list, n: int, seed: int) -> tuple[list, list]:
 
 async def _held_out(policy, prompts, engines, grade, max_tokens, tag):  # noqa: ANN001, ANN202
     from policies.tuning import answer_all
+    from verifiers.policy import tuning_hook
 
-    answers = await answer_all(policy, prompts, engines, max_tokens, tag)
+    answers = await answer_all(policy, prompts, engines, max_tokens, tag, tuning_hook)
     quality = await grade([(a.prompt, a.text) for a in answers])
     return answers, quality
 
@@ -60,13 +61,14 @@ def main() -> int:
 
     import numpy as np
 
-    from gateway.settings import Settings
+    from core.settings import Settings
     from gateway.tiers import load_engines
+    from grading.datasets import load_gsm8k_items, load_mtbench_items
     from policies.policy import Policy
     from policies.tune_quality import Judge, grader
     from policies.tune_report import plot_png, table
     from policies.tuning import TunePrompt, paired_interval, tune
-    from router_model.datasets import load_gsm8k_items, load_mtbench_items
+    from verifiers.policy import tuning_hook
 
     settings = Settings()
     home = settings.home_dir
@@ -88,7 +90,7 @@ def main() -> int:
     started = time.perf_counter()
 
     async def run():  # noqa: ANN202
-        tuning = await tune(Policy(), tuning_set, engines, grade, max_tokens=args.max_tokens,
+        tuning = await tune(Policy(), tuning_set, engines, grade, hooks=tuning_hook, max_tokens=args.max_tokens,
                             tolerance=args.tolerance, progress=say, seed=args.seed)  # fmt: skip
         say(f"tuned in {time.perf_counter() - started:.0f} s: {tuning.chosen}; running the held-out prompts")
         base = await _held_out(Policy(), held_out, engines, grade, args.max_tokens, "held-base")

@@ -61,7 +61,7 @@ def main() -> None:
         result = train_router(train, held, RouterEncoder(), seed=0, folds=2, candidates=("hist_gb",))
         directory = save_router(result.router, Path(scratch.name) / "router")
     if args.prompts == "shipped":
-        from router_model.datasets import SOURCES, load_items
+        from grading.datasets import SOURCES, load_items
 
         conversations = [i.messages for i in load_items(args.home, list(SOURCES), per_source={"gsm8k": 300})]
     else:

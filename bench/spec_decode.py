@@ -31,11 +31,12 @@ from common import mtbench_questions, say
 from engines.engine import Engine, EngineConfig
 from engines.fetch import fetch_model
 from engines.model_loader import load_model
-from engines.quality import gsm8k_prompt, load_gsm8k
 from engines.quantized_checkpoint import fetch_quantized
 from engines.request import EngineRequest
 from engines.sampling import SamplingParams
 from engines.speculator import SpeculativeConfig
+from gateway.model_quality import gsm8k_prompt
+from grading.datasets import load_gsm8k
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 

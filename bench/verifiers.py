@@ -55,9 +55,10 @@ def main() -> None:
     ap.add_argument("--parts", nargs="+", default=["sc", "cascade"], choices=["sc", "cascade"])
     args = ap.parse_args()
 
-    from engines.quality import GSM8K_INSTRUCTION, extract_answer, load_gsm8k, reference_answer
-    from gateway.settings import Settings
+    from core.settings import Settings
     from gateway.tiers import load_engines
+    from grading.answers import extract_answer, reference_answer
+    from grading.datasets import GSM8K_INSTRUCTION, load_gsm8k
 
     settings = Settings()
     engines = load_engines(settings)
@@ -148,7 +149,7 @@ def answer_probe(settings: object, skip: int) -> object | None:
 def cascade(small: list[dict], large: list[dict], problems: list[dict], escalate: list[bool]) -> tuple[float, float]:
     """Accuracy and cost against always-large of answering on the small tier and escalating where told.
     Costs use the default policy's prices; an escalated problem pays for both answers."""
-    from engines.quality import reference_answer
+    from grading.answers import reference_answer
     from policies.policy import DEFAULT_PRICES
 
     def cost(r: dict, tier: str) -> Decimal:
@@ -170,7 +171,7 @@ def auc(labels: list[bool], scores: object) -> float:
 
 
 def accuracy(rows: list[dict], problems: list[dict], key: str) -> float:
-    from engines.quality import reference_answer
+    from grading.answers import reference_answer
 
     return mean([r[key] == reference_answer(p["answer"]) for r, p in zip(rows, problems, strict=True)])
 
@@ -183,9 +184,9 @@ def sc_jobs(
     engine: object, i: int, problem: dict, args: argparse.Namespace, prompt: Callable, pruned: bool
 ) -> tuple[list, Callable]:
     """n seeded samples of one problem; with `pruned`, under the confidence verifier's hook."""
-    from engines.quality import extract_answer
     from engines.request import EngineRequest
     from engines.sampling import SamplingParams
+    from grading.answers import extract_answer
     from verifiers.base import Context
     from verifiers.confidence import Confidence
     from verifiers.hook import VerifierHook
@@ -235,7 +236,7 @@ def greedy_jobs(engine: object, i: int, problem: dict, args: argparse.Namespace,
     request = EngineRequest(rid, ids, SamplingParams(max_tokens=args.max_tokens, temperature=0.0), hook=hook)
 
     def summarize(texts: dict[str, str], tokens: dict[str, int], reasons: dict[str, str]) -> dict:
-        from engines.quality import extract_answer
+        from grading.answers import extract_answer
 
         lps = hook.traces[rid].logprobs
         conf = statistics.fmean(token_confidence(lp.top) for lp in lps) if lps else 0.0

@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator, Mapping
 import anyio
 from fastapi import FastAPI
 
+from core.db.database import Database
+from core.settings import Settings
 from engines.protocol import TierEngine
 from gateway import errors, openapi
 from gateway.api import admin, finance, health, openai
@@ -22,7 +24,6 @@ from gateway.api import tuning as tuning_api
 from gateway.body_limit import BodySizeLimit
 from gateway.cache_stage import CacheStage
 from gateway.console import pages as console
-from gateway.db.database import Database
 from gateway.ledger import Ledger, spool_path
 from gateway.logging_setup import RequestIdMiddleware
 from gateway.metrics import Metrics
@@ -31,7 +32,6 @@ from gateway.pipeline import Pipeline
 from gateway.response_cache import ResponseCache
 from gateway.routing import RoutingStage
 from gateway.semantic_cache import SemanticCache
-from gateway.settings import Settings
 from gateway.tenants import use_key_secret
 from gateway.tuning_schedule import TuningSchedule
 from policies.budgets import Budgets
@@ -155,8 +155,8 @@ def _routing(
     settings: Settings, engines: Mapping[str, TierEngine], db: Database, ledger: Ledger, budgets: Budgets, app: FastAPI
 ) -> RoutingStage:
     """The routing stage, with the trained router if one is saved (MiniLM loads here, not on a first request)."""
+    from gateway.shadow import Relabeler
     from router_model.routed_prompts import RoutedPromptStore
-    from router_model.shadow import Relabeler
 
     relabeler = Relabeler(engines, settings, ledger, budgets, app.state.metrics)
     return RoutingStage.load(settings.router_path, settings.router_threads, engines, RoutedPromptStore(db), relabeler)

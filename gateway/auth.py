@@ -8,8 +8,8 @@ from typing import Annotated
 import anyio
 from fastapi import Depends, Header, Request
 
-from gateway.db.database import Database
-from gateway.db.models import Tenant
+from core.db.database import Database
+from core.db.models import Tenant
 from gateway.errors import APIError
 from gateway.tenants import Principal, authenticate, recently_authenticated, tenant_by_name
 

@@ -13,12 +13,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from core.settings import Settings
 from engines.fetch import FetchError
-from gateway.settings import Settings
 from gateway.tenants import TenantError
 
 if TYPE_CHECKING:
-    from gateway.db.database import Database
+    from core.db.database import Database
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -211,7 +211,7 @@ def _settings() -> Settings:
 
 
 def _database() -> Database:
-    from gateway.db.database import Database
+    from core.db.database import Database
 
     db = Database(_settings().database)
     db.upgrade()
@@ -269,8 +269,8 @@ def _models_eval(args: argparse.Namespace) -> int:
     from engines.engine import Engine, EngineConfig
     from engines.fetch import fetch_model
     from engines.model_config import UnsupportedModelError
-    from engines.quality import evaluate
     from engines.quantized_checkpoint import fetch_quantized
+    from gateway.model_quality import evaluate
 
     home = _settings().home_dir
     path = Path(args.model).expanduser()
@@ -433,7 +433,8 @@ def _budgets_reconcile(args: argparse.Namespace) -> int:
 def _router_label(args: argparse.Namespace) -> int:
     settings = _settings()
     os.environ.setdefault("OMP_NUM_THREADS", str(settings.max_threads))  # before torch starts, as in serve
-    from router_model.datasets import SOURCES
+    from gateway.tiers import load_engines
+    from grading.datasets import SOURCES
     from router_model.label import DEFAULT_OUT, LabelError, label_tiers
 
     if (args.per_source is not None and args.per_source < 1) or args.max_tokens < 1 or args.concurrency < 1:
@@ -441,7 +442,8 @@ def _router_label(args: argparse.Namespace) -> int:
     out = Path(args.out).expanduser() if args.out else DEFAULT_OUT
     try:
         print(label_tiers(
-            settings, out, sources=args.sources or SOURCES, per_source=args.per_source, seed=args.seed,
+            settings, lambda: load_engines(settings), out,
+            sources=args.sources or SOURCES, per_source=args.per_source, seed=args.seed,
             max_tokens=args.max_tokens, concurrency=args.concurrency, keep_text=args.keep_text,
         ))  # fmt: skip
     except LabelError as exc:
@@ -515,8 +517,8 @@ def _router_train(args: argparse.Namespace) -> int:
     else:
         from router_model.label import DEFAULT_OUT as labels
     if args.from_logs:  # the shipped labels (if any) and the live ones, as one file kept beside the router
+        from gateway.shadow import labels_path
         from router_model.examples import merge_label_files
-        from router_model.shadow import labels_path
 
         live = labels_path(_settings().home_dir)
         if not live.is_file():
@@ -664,6 +666,7 @@ def _policy_tune(args: argparse.Namespace) -> int:
     from policies.tune_report import table
     from policies.tune_run import TuneRequest, tune_tenant
     from policies.tuning import TuningError
+    from verifiers.policy import tuning_hook
 
     if args.sample < 1 or args.max_tokens < 1 or not 0 <= args.tolerance <= 1:
         raise _Failure("--sample and --max-tokens must be at least 1, --tolerance between 0 and 1")
@@ -677,7 +680,7 @@ def _policy_tune(args: argparse.Namespace) -> int:
         engine.start()
     try:
         pid, _ = asyncio.run(
-            tune_tenant(request, engines, policies, proposals, settings.home_dir, "cli",
+            tune_tenant(request, engines, policies, proposals, settings.home_dir, "cli", hooks=tuning_hook,
                         progress=lambda line: print(line, file=sys.stderr, flush=True))
         )  # fmt: skip
     except (TuningError, EngineUnavailable, OSError) as exc:

@@ -17,7 +17,8 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from gateway.db.database import UNREACHABLE
+from core.db.database import UNREACHABLE
+from policies.budgets import BudgetError, CountersUnavailable, RateLimited
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +105,24 @@ def invalid(message: str, *, param: str | None = None, code: str | None = None) 
     return APIError(400, message, param=param, code=code)
 
 
+def from_budget(exc: BudgetError) -> APIError:
+    """The OpenAI error a budget refusal becomes: the one place a domain refusal gets its HTTP shape."""
+    if isinstance(exc, CountersUnavailable):
+        return APIError(503, exc.message, code="budget_unavailable", headers={"retry-after": str(exc.retry_after)})
+    if isinstance(exc, RateLimited):
+        return APIError(
+            429,
+            exc.message,
+            code="rate_limit_exceeded",
+            type="rate_limit_error",
+            headers={"retry-after": str(exc.retry_after)},
+        )
+    return APIError(429, exc.message, code="insufficient_quota", type="insufficient_quota")
+
+
 def install(app: FastAPI) -> None:
     app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(BudgetError, _budget_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     for unreachable in UNREACHABLE:
@@ -118,6 +135,11 @@ async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     if (metrics := getattr(request.app.state, "metrics", None)) is not None:
         metrics.record_error(exc.status, exc.code)  # budget and rate-limit 429s, counted where they leave
     return exc.response()
+
+
+async def _budget_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, BudgetError)
+    return await _api_error(request, from_budget(exc))
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:

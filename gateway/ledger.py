@@ -26,8 +26,8 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from gateway.db.database import Database
-from gateway.db.models import Usage, UsageDaily, utcnow
+from core.db.database import Database
+from core.db.models import Usage, UsageDaily, utcnow
 from gateway.usage_spool import UsageSpool
 
 log = logging.getLogger(__name__)

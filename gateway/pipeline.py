@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 import anyio
 
+from core.settings import Settings
 from engines.engine import RequestRejected
 from engines.protocol import EngineUnavailable, OutputStream, TierEngine
 from engines.request import EngineRequest, FinishReason, RequestOutput
@@ -32,7 +33,7 @@ from engines.sampling import SamplingParams
 from engines.structured import Grammar, GrammarError
 from engines.tokenizer import ChatTemplateError, Tokenizer
 from gateway.cache_stage import BYPASS, CacheDecision, CacheStage, cache_mode
-from gateway.errors import APIError, invalid
+from gateway.errors import APIError, from_budget, invalid
 from gateway.ledger import Ledger, UsageRecord
 from gateway.metrics import Metrics
 from gateway.prompt_log import log_exchange
@@ -46,9 +47,8 @@ from gateway.schemas import (
     ResponseFormat,
     Usage,
 )
-from gateway.settings import Settings
 from gateway.tenants import Principal
-from policies.budgets import Budgets, Reservation
+from policies.budgets import BudgetError, Budgets, Reservation
 from policies.policy import Policy
 from policies.pricing import Charge, Tokens, charge, worst_case
 from policies.sampling import Asked, instructed, resolve
@@ -543,14 +543,17 @@ class Pipeline:
             worst_money, prompt_tokens_worst, completion_max = Decimal(0), 0, 0
         else:
             prompt_tokens_worst = prompt_tokens
-        reservation = await self.budgets.admit(
-            request_id,
-            policy.policy,
-            principal.tenant_id,
-            principal.key_id,
-            worst_money,
-            prompt_tokens_worst + completion_max,
-        )
+        try:
+            reservation = await self.budgets.admit(
+                request_id,
+                policy.policy,
+                principal.tenant_id,
+                principal.key_id,
+                worst_money,
+                prompt_tokens_worst + completion_max,
+            )
+        except BudgetError as exc:
+            raise from_budget(exc) from exc
         serving = Candidate(tier, engine, _checkpoint(self.settings, tier))
         if cache.answer is None:  # a cached answer is the requested tier's, even while it is down
             serving = candidates[0]

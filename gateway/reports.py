@@ -11,9 +11,9 @@ from typing import Any, Literal
 
 from sqlalchemy import func, select
 
+from core.db.database import Database
+from core.db.models import Tenant, UsageDaily
 from gateway import ledger
-from gateway.db.database import Database
-from gateway.db.models import Tenant, UsageDaily
 
 GroupBy = Literal["day", "tier", "model"]
 COUNTS = ("requests", *ledger.COUNTS)

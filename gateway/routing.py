@@ -8,7 +8,7 @@ request of a tenant whose policy says `router.route_all`), and what follows its 
               (from `switchboard router calibrate --tenant`, if made for this router), else the
               router's per-tenant one (`--prompts --tenant`), else the router's global one
     afterwards (once the response is out) the conversation is stored for calibration and, for a share
-              of small-tier answers, re-run on the large tier and judged (`router_model.shadow`), as
+              of small-tier answers, re-run on the large tier and judged (`gateway.shadow`), as
               the tenant's policy asks
 
 Drift: every decision goes into a sliding window (global and per tenant) of large calls against the
@@ -31,6 +31,7 @@ import anyio
 
 from engines.protocol import TierEngine
 from gateway.errors import APIError
+from gateway.shadow import Relabeler, ShadowJob
 from gateway.tenants import Principal
 from policies.policy import Policy
 from router_model.drift import LargeShareWindow, Shares
@@ -38,7 +39,6 @@ from router_model.features import Messages
 from router_model.model import LARGE, SMALL, RouterLoadError
 from router_model.routed_prompts import RoutedPromptStore
 from router_model.serving import RouterService
-from router_model.shadow import Relabeler, ShadowJob
 
 if TYPE_CHECKING:
     from gateway.pipeline import Generation

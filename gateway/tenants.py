@@ -25,9 +25,9 @@ from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from gateway import audit
-from gateway.db.database import UNREACHABLE, Database
-from gateway.db.models import ApiKey, Tenant, utcnow
+from core import audit
+from core.db.database import UNREACHABLE, Database
+from core.db.models import ApiKey, Tenant, utcnow
 
 log = logging.getLogger(__name__)
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from core.settings import Settings, TierSettings
 from engines.async_engine import AsyncEngine
 from engines.engine import Engine, EngineConfig
 from engines.fetch import FetchError, fetch_model, is_fetched
@@ -21,7 +22,6 @@ from engines.quantized_checkpoint import is_quantized_dir
 from engines.remote_engine import RemoteConfig, RemoteEngine
 from engines.speculator import SpeculativeConfig
 from engines.tokenizer import Tokenizer
-from gateway.settings import Settings, TierSettings
 
 log = logging.getLogger(__name__)
 

@@ -17,13 +17,14 @@ import anyio
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
+from core.db.database import Database
+from core.db.models import Tenant
 from engines.protocol import TierEngine
-from gateway.db.database import Database
-from gateway.db.models import Tenant
 from policies.proposals import PROPOSED, ProposalError, ProposalStore
 from policies.store import PolicyStore
 from policies.tune_run import TuneRequest, tune_tenant
 from policies.tuning import Candidate
+from verifiers.policy import tuning_hook
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,14 @@ class TuningSchedule:
             )
             try:
                 pid, _ = await tune_tenant(
-                    request, self.engines, self.policies, self.proposals, self.home, ACTOR, variants=self.variants
+                    request,
+                    self.engines,
+                    self.policies,
+                    self.proposals,
+                    self.home,
+                    ACTOR,
+                    hooks=tuning_hook,
+                    variants=self.variants,
                 )
             except Exception:  # one tenant's failed run must not stop the others', nor the gateway
                 log.exception("scheduled policy tuning failed for tenant %d", tenant_id)

@@ -34,14 +34,42 @@ from redis.exceptions import RedisError
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from gateway.db.database import UNREACHABLE, Database
-from gateway.db.models import Usage, UsageDaily
-from gateway.errors import RETRY_HEADERS, APIError
+from core.db.database import UNREACHABLE, Database
+from core.db.models import Usage, UsageDaily
+from core.money import from_units, to_units
 from policies.counters import Counters, Item, Missing
 from policies.policy import Budget, Policy
-from policies.pricing import from_units, to_units
 
 log = logging.getLogger(__name__)
+
+
+class BudgetError(Exception):
+    """A request the tenant's budgets or rate limits refuse; the gateway maps each kind to its HTTP answer."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class BudgetExceeded(BudgetError):
+    """A spend or token budget for the period would be passed by this request's worst case."""
+
+
+class RateLimited(BudgetError):
+    """A per-key or per-tenant requests/tokens-per-minute limit is reached; retry after `retry_after` s."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class CountersUnavailable(BudgetError):
+    """The counters cannot be reached and the policy has limits to enforce: fail closed, retry shortly."""
+
+    def __init__(self, retry_after: int) -> None:
+        super().__init__("Budgets cannot be checked right now; retry shortly.")
+        self.retry_after = retry_after
+
 
 DAY_TTL = 3 * 86400
 MONTH_TTL = 33 * 86400
@@ -146,12 +174,7 @@ class Budgets:
                 log.warning("budget counters unavailable (%s); retrying in %.0f s", exc, self.RETRY_AFTER)
                 self._down_until = time.monotonic() + self.RETRY_AFTER
             if any(it.limit is not None for it in items):  # fail closed: a hard budget or a limit is a promise
-                raise APIError(
-                    503,
-                    "Budgets cannot be checked right now; retry shortly.",
-                    code="budget_unavailable",
-                    headers=RETRY_HEADERS,
-                ) from exc
+                raise CountersUnavailable(retry_after=1) from exc
             self._missed = True  # nothing to enforce: serve it; the ledger still records it
             return Reservation(resv_id, [], 0, 0, version)
         self._repair_if_missed()
@@ -321,17 +344,13 @@ def _utc_day(at: datetime) -> date:
     return (at if at.tzinfo is None else at.astimezone(UTC)).date()
 
 
-def _refusal(item: Item, current: int, budgets: dict[str, Budget], now: float) -> APIError:
+def _refusal(item: Item, current: int, budgets: dict[str, Budget], now: float) -> BudgetError:
     parts = item.key.rsplit(":", 5)  # namespace, "rate"|"spend", scope|tenant, id|period, minute|window, unit
     if parts[1] == "rate":
         retry = max(1, math.ceil(60 - now % 60))
         what = "requests" if parts[-1] == "requests" else "tokens"
-        return APIError(
-            429,
-            f"Rate limit reached for this {parts[2]}: {item.limit} {what} per minute. Retry in {retry} s.",
-            code="rate_limit_exceeded",
-            type="rate_limit_error",
-            headers={"retry-after": str(retry)},
+        return RateLimited(
+            f"Rate limit reached for this {parts[2]}: {item.limit} {what} per minute. Retry in {retry} s.", retry
         )
     period, unit = parts[3], parts[-1]
     if unit == "money":
@@ -340,9 +359,4 @@ def _refusal(item: Item, current: int, budgets: dict[str, Budget], now: float) -
         detail += f" and this request could cost up to ${ask.quantize(Decimal('0.000001'))}"
     else:
         detail = f"{item.limit} tokens; {current} are used or reserved and this request could use {item.amount}"
-    return APIError(
-        429,
-        f"The tenant's {period} budget of {detail}. Lower max_tokens or wait for the next period.",
-        code="insufficient_quota",
-        type="insufficient_quota",
-    )
+    return BudgetExceeded(f"The tenant's {period} budget of {detail}. Lower max_tokens or wait for the next period.")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from decimal import Decimal
 
-from gateway.db.models import Usage
+from core.db.models import Usage
 from policies.policy import Policy
 from policies.pricing import Tokens, charge
 

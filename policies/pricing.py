@@ -16,10 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from decimal import Decimal
 
+from core.money import ZERO
 from policies.policy import PER_MILLION, Policy
-
-UNITS = 10**10  # integer money units (1e-10 USD) for counters that must add exactly
-ZERO = Decimal(0)
 
 
 @dataclass(frozen=True)
@@ -103,14 +101,3 @@ def worst_case(policy: Policy, tier: str, prompt_tokens: int, completion_tokens:
     """The most a request can cost: every prompt token uncached, every completion token generated."""
     p = policy.price(tier)
     return (prompt_tokens * p.prompt + completion_tokens * p.completion) / PER_MILLION
-
-
-def to_units(amount: Decimal) -> int:
-    units = amount * UNITS
-    if units != units.to_integral_value():
-        raise ValueError(f"{amount} has more than 10 decimal places")
-    return int(units)
-
-
-def from_units(units: int) -> Decimal:
-    return Decimal(units) / UNITS

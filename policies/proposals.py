@@ -13,9 +13,9 @@ from datetime import datetime
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session, defer
 
-from gateway import audit
-from gateway.db.database import Database
-from gateway.db.models import PolicyProposal, utcnow
+from core import audit
+from core.db.database import Database
+from core.db.models import PolicyProposal, utcnow
 from policies.policy import Policy
 from policies.store import PolicyStore
 from policies.tuning import Tuning

@@ -19,9 +19,9 @@ from datetime import datetime
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from gateway import audit
-from gateway.db.database import UNREACHABLE, Database
-from gateway.db.models import PolicyVersion
+from core import audit
+from core.db.database import UNREACHABLE, Database
+from core.db.models import PolicyVersion
 from policies.policy import Policy
 
 log = logging.getLogger(__name__)

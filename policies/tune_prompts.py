@@ -12,8 +12,8 @@ from pathlib import Path
 
 from sqlalchemy import select
 
-from gateway.db.database import Database
-from gateway.db.models import RoutedPrompt
+from core.db.database import Database
+from core.db.models import RoutedPrompt
 from policies.tuning import TunePrompt, TuningError
 
 DATASETS = ("gsm8k", "humaneval", "mtbench", "chat")
@@ -22,7 +22,7 @@ RECENT = 5000  # a tenant's sample is drawn from its most recent stored prompts
 
 
 def dataset_prompts(home: Path, name: str, n: int, tier: str, seed: int = 0) -> list[TunePrompt]:
-    from router_model.datasets import load_items
+    from grading.datasets import load_items
 
     if name not in DATASETS:
         raise TuningError(f"unknown data set {name!r}; the data sets are {', '.join(DATASETS)}")

@@ -19,9 +19,9 @@ import anyio
 from engines.protocol import TierEngine
 from engines.request import EngineRequest, FinishReason, RequestOutput, TokenLogprob
 from engines.sampling import SamplingParams
+from grading.datasets import Item
+from grading.graders import grade_gsm8k, grade_humaneval
 from policies.tuning import Grade, TunePrompt, TuningError
-from router_model.datasets import Item
-from router_model.graders import grade_gsm8k, grade_humaneval
 
 JUDGE_TEMPLATE = """\
 You are grading an AI assistant's answer to a user's question.

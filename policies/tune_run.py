@@ -15,7 +15,7 @@ from policies.store import PolicyStore
 from policies.tune_prompts import dataset_prompts, tenant_prompts
 from policies.tune_quality import Judge, grader
 from policies.tune_report import plot_png
-from policies.tuning import Candidate, Grade, Tuning, TuningError, tune
+from policies.tuning import Candidate, Grade, HookFactory, Tuning, TuningError, tune
 
 
 @dataclass(frozen=True)
@@ -39,12 +39,13 @@ async def tune_tenant(
     home: Path,
     actor: str,
     *,
+    hooks: HookFactory,
     variants: Sequence[Candidate] | None = None,
     grade: Grade | None = None,
     progress: Callable[[str], None] = lambda _: None,
 ) -> tuple[int, Tuning]:
     """The stored proposal's id and the tuning behind it. `grade`: instead of the checks and the judge (a
-    tenant's own check of its answers)."""
+    tenant's own check of its answers); `hooks`: the policies' in-flight verifiers (see `tuning.request_for`)."""
     if request.sample < 1:
         raise TuningError("the sample needs at least one prompt")
     # SQL, files, plotting and tokenizing go to threads: on a serving gateway this runs on its event loop.
@@ -70,6 +71,7 @@ async def tune_tenant(
         prompts,
         engines,
         grade or grader(judge),
+        hooks=hooks,
         max_tokens=request.max_tokens,
         tolerance=request.tolerance,
         stops=request.stops,

@@ -30,7 +30,7 @@ import numpy as np
 
 from engines.engine import RequestRejected
 from engines.protocol import TierEngine
-from engines.request import EngineRequest, FinishReason
+from engines.request import EngineRequest, FinishReason, GenerationHook
 from engines.sampling import SamplingParams
 from policies.policy import Policy
 from policies.pricing import Tokens, charge
@@ -43,6 +43,8 @@ CONCISE = (
 TRUNCATING = ("sampling.max_tokens_cap", "sampling.default_stop")  # fields evaluated on a run's tokens
 CAP_QUANTILES = (0.75, 0.9, 0.97)  # caps tried: these quantiles of a run's answer lengths
 BOOTSTRAP = 2000
+# The in-flight verifier hook a policy puts on one tuning request (None: no verifier): built above policies.
+HookFactory = Callable[[Policy, "TunePrompt", str], GenerationHook | None]
 
 
 class TuningError(ValueError):
@@ -200,13 +202,10 @@ def seed_for(prompt_id: str) -> int:
 
 
 def request_for(
-    prompt: TunePrompt, policy: Policy, engine: TierEngine, max_tokens: int, request_id: str
+    prompt: TunePrompt, policy: Policy, engine: TierEngine, max_tokens: int, request_id: str, hooks: HookFactory
 ) -> EngineRequest:
-    """The request the gateway would run for `prompt` under `policy` (a client that set no sampling)."""
-    from verifiers.base import Context
-    from verifiers.hook import VerifierHook
-    from verifiers.policy import build_verifiers
-
+    """The request the gateway would run for `prompt` under `policy` (a client that set no sampling);
+    `hooks` builds the policy's in-flight verifiers (`verifiers.policy.tuning_hook`), which sit above policies."""
     ids = engine.tokenizer.encode_chat(instructed(prompt.messages, policy.sampling.system_instruction))
     room = max(1, engine.max_model_len - len(ids))
     s = resolve(policy.sampling, Asked(max_tokens=min(max_tokens, room)))
@@ -219,10 +218,7 @@ def request_for(
         frequency_penalty=s.frequency_penalty,
         stop=s.stop,
     )
-    hook = None
-    if policy.verifiers.enabled:  # in-flight only: final checks escalate, which tuning does not model
-        verifier, _ = build_verifiers(policy.verifiers, 1)
-        hook = VerifierHook(verifier, Context(prompt=prompt.question, messages=prompt.messages), [request_id])
+    hook = hooks(policy, prompt, request_id)
     return EngineRequest(request_id, ids, params, priority=10, hook=hook)  # behind live traffic
 
 
@@ -247,7 +243,12 @@ async def generate(engine: TierEngine, batch: Mapping[str, tuple[TunePrompt, Eng
 
 
 async def answer_all(
-    policy: Policy, prompts: Sequence[TunePrompt], engines: Mapping[str, TierEngine], max_tokens: int, tag: str
+    policy: Policy,
+    prompts: Sequence[TunePrompt],
+    engines: Mapping[str, TierEngine],
+    max_tokens: int,
+    tag: str,
+    hooks: HookFactory,
 ) -> list[Answer]:
     """Every prompt's answer under `policy` on its tier, in the prompts' order."""
     answers: list[Answer] = []
@@ -259,7 +260,7 @@ async def answer_all(
             for i, p in enumerate(prompts):
                 if p.tier == tier:
                     rid = f"{tag}-{i}"
-                    batch[rid] = (p, request_for(p, policy, engine, max_tokens, rid))
+                    batch[rid] = (p, request_for(p, policy, engine, max_tokens, rid, hooks))
             return batch
 
         answers.extend(await generate(engine, await anyio.to_thread.run_sync(build)))  # tokenizing: off the loop
@@ -299,6 +300,7 @@ async def tune(
     engines: Mapping[str, TierEngine],
     grade: Grade,
     *,
+    hooks: HookFactory,
     max_tokens: int = 512,
     tolerance: float = 0.02,
     stops: Sequence[Sequence[str]] = (),
@@ -328,7 +330,7 @@ async def tune(
     for vi, variant in enumerate(variants):
         policy = variant.apply(base)
         progress(f"run {vi + 1}/{len(variants)}: {variant.name}")
-        answers = await answer_all(policy, prompts, engines, max_tokens, f"tune-{run}-{vi}")
+        answers = await answer_all(policy, prompts, engines, max_tokens, f"tune-{run}-{vi}", hooks)
         if vi == 0 and mine_stops:  # how the current policy's answers tend to end
             tried += [m for m in mined_stops(answers) if m not in tried]
         # Each cut alone (caps, then stop strings), not every combination: each one's answers are graded.

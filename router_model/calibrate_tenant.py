@@ -13,8 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.db.database import Database
-from gateway.tenants import tenant_by_name
+from sqlalchemy import select
+
+from core.db.database import Database
+from core.db.models import Tenant
 from policies.policy import Policy, RouterCalibration
 from policies.store import PolicyStore
 from router_model.calibrate import MIN_TENANT_PROMPTS, large_share, threshold_for_share
@@ -43,7 +45,8 @@ def calibrate_tenant(
     min_prompts: int = MIN_TENANT_PROMPTS,
     actor: str = "cli",
 ) -> TenantCalibration:
-    found = tenant_by_name(db, tenant)
+    with db.session() as s:
+        found = s.scalar(select(Tenant).where(Tenant.name == tenant))
     if found is None:
         raise CalibrationError(f"no tenant named {tenant!r}")
     conversations = RoutedPromptStore(db).recent(found.id, limit)

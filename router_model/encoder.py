@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from gateway.semantic_cache import Embedder, minilm_path
+from core.embedder import Embedder, minilm_path
 
 MAX_WORD_PIECES = 256  # MiniLM's own limit (sentence-transformers' max_seq_length for this model)
 

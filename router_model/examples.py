@@ -2,7 +2,7 @@
 
 A label file (`switchboard router label`) has one JSON object per line with at least `id`, `source`,
 `small_ok` and `large_ok`. A row may carry its `messages` itself (synthetic files do); otherwise they
-come from `router_model.datasets`, the shipped prompts the labels were made from, by id.
+come from `grading.datasets`, the shipped prompts the labels were made from, by id.
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ def load_examples(path: Path, home: Path = DEFAULT_HOME) -> list[Example]:
 
 
 def dataset_messages(ids: Iterable[str], home: Path = DEFAULT_HOME) -> dict[str, Messages]:
-    """Messages of shipped prompts by id, from `router_model.datasets`; KeyError for an unknown id."""
-    from router_model.datasets import items_by_id
+    """Messages of shipped prompts by id, from `grading.datasets`; KeyError for an unknown id."""
+    from grading.datasets import items_by_id
 
     return {i: item.messages for i, item in items_by_id(home, ids).items()}
 

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from gateway.semantic_cache import Embedder
+from core.embedder import Embedder
 
 FEATURE_VERSION = "minilm-l6-int8-128+cheap-1"
 

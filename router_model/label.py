@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,14 +26,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from core.settings import Settings, TierSettings
 from engines.async_engine import AsyncEngine
 from engines.engine import Engine, RequestRejected
 from engines.request import EngineRequest, RequestOutput
 from engines.sampling import SamplingParams
-from gateway.settings import Settings, TierSettings
-from gateway.tiers import load_engines
-from router_model.datasets import SOURCES, Item, load_items
-from router_model.graders import GRADERS, judge_messages, parse_verdict
+from grading.datasets import SOURCES, Item, load_items
+from grading.graders import GRADERS, judge_messages, parse_verdict
 from router_model.label_store import Row, open_appender, read_rows
 
 DEFAULT_OUT = Path(__file__).parent / "data" / "labels.jsonl"
@@ -283,6 +282,7 @@ def summary(rows: list[Row], *, new: int, seconds: float, out: Path) -> str:
 
 def label_tiers(
     settings: Settings,
+    load_engines: Callable[[], Mapping[str, object]],
     out: Path = DEFAULT_OUT,
     *,
     sources: Iterable[str] = SOURCES,
@@ -296,7 +296,8 @@ def label_tiers(
     """Label the shipped prompts with the configured `small` and `large` tiers; returns the summary.
 
     `per_source`: items of each source (default: 300 of GSM8K, all of the rest), a seeded sample.
-    The engines are loaded only if something is left to label."""
+    `load_engines` gives the tiers' engines by name (the gateway's loader); it is called only if something
+    is left to label."""
     missing = [name for name in ("small", "large") if name not in settings.tiers]
     if missing:
         raise LabelError(f"labeling needs tiers named small and large; the settings have no {', '.join(missing)}")
@@ -306,7 +307,7 @@ def label_tiers(
     models = (tier_model(settings.tiers["small"]), tier_model(settings.tiers["large"]))
     new = 0
     if pending_items(items, out, models):
-        engines = load_engines(settings)
+        engines = load_engines()
         small, large = (engines[name] for name in ("small", "large"))
         if not isinstance(small, AsyncEngine) or not isinstance(large, AsyncEngine):
             raise LabelError("labeling runs both tiers in this process; a remote tier cannot be labeled")

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
-from gateway.semantic_cache import Embedder
+from core.embedder import Embedder
 from router_model.encoder import RouterEncoder
 from router_model.features import FEATURE_VERSION, Messages, featurize
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from sqlalchemy import delete, select
 
-from gateway.db.database import Database
-from gateway.db.models import RoutedPrompt
+from core.db.database import Database
+from core.db.models import RoutedPrompt
 from router_model.features import Messages
 
 KEEP_PER_TENANT = 5000

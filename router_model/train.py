@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gateway.semantic_cache import Embedder
+from core.embedder import Embedder
 from router_model.calibrate import DEFAULT_LARGE_SHARE, threshold_for_share
 from router_model.evaluate import apgr, evaluate_router, metrics_json, quality_curve
 from router_model.examples import (

@@ -92,7 +92,7 @@ def database_url(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 def database(database_url: str) -> Iterator:
-    from gateway.db.database import Database
+    from core.db.database import Database
 
     db = Database(database_url)
     db.upgrade()

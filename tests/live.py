@@ -14,9 +14,9 @@ import sqlalchemy as sa
 from fastapi import FastAPI
 
 import services
+from core.db.database import Database
+from core.db.models import Usage
 from engines.async_engine import AsyncEngine
-from gateway.db.database import Database
-from gateway.db.models import Usage
 from gateway.tenants import create_tenant
 
 
@@ -79,8 +79,8 @@ def serve_gateway(
 ) -> tuple[LiveServer, Callable[[], None]]:
     """The gateway over `engine` as tier `small`, on a real port; Redis keys (if `redis_url` is given) under a
     namespace of its own. The returned function stops it and closes its database connections."""
+    from core.settings import Settings
     from gateway.app import create_app
-    from gateway.settings import Settings
 
     db = Database(database_url)
     config = Settings(

@@ -337,9 +337,9 @@ def test_engine_failure_is_an_openai_error_and_still_billed(
 
 
 def test_a_stopped_engine_answers_503(small_engine: AsyncEngine, tmp_path: Path) -> None:
+    from core.db.database import Database
+    from core.settings import Settings
     from gateway.app import create_app
-    from gateway.db.database import Database
-    from gateway.settings import Settings
 
     stopped = AsyncEngine(small_engine.engine, name="stopped")  # its own loop; never steps
     url = f"sqlite:///{tmp_path / 'sb.db'}"

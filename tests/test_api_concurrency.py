@@ -30,9 +30,9 @@ def crowd_server(
     small_engine: AsyncEngine, postgres_server: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[LiveServer, AsyncEngine]]:
     """The gateway on PostgreSQL over the shared bf16 SmolLM2 engine."""
+    from core.db.database import Database
+    from core.settings import Settings
     from gateway.app import create_app
-    from gateway.db.database import Database
-    from gateway.settings import Settings
 
     engine = small_engine
     url, drop = services.create_database(postgres_server)

@@ -15,8 +15,8 @@ import pytest
 import sqlalchemy as sa
 
 import services
+from core.db.models import Usage
 from engines.async_engine import AsyncEngine
-from gateway.db.models import Usage
 from gateway.tenants import authenticate
 from live import LiveServer, serve_gateway
 from policies.policy import Policy

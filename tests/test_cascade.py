@@ -11,8 +11,8 @@ from decimal import Decimal
 import httpx
 import pytest
 
+from core.db.database import Database
 from engines.async_engine import AsyncEngine
-from gateway.db.database import Database
 from gateway.tenants import create_key, create_tenant
 from live import LiveServer, start_server
 
@@ -23,8 +23,8 @@ POLICY = {"verifiers": {"checks": ["math"], "cascade": True, "cascade_to": "larg
 def live(small_engine: AsyncEngine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     from test_verifiers import apple_answers
 
+    from core.settings import Settings
     from gateway.app import create_app
-    from gateway.settings import Settings
     from router_model.encoder import RouterEncoder
     from verifiers.probe import AnswerProbe
 

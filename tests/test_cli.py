@@ -93,9 +93,9 @@ def test_budgets_reconcile_rewrites_counters_from_the_ledger(
 ) -> None:
     import redis
 
-    from gateway.db.database import Database
+    from core.db.database import Database
+    from core.settings import Settings
     from gateway.ledger import Ledger, UsageRecord
-    from gateway.settings import Settings
     from gateway.tenants import authenticate, create_tenant
 
     env = {**home_env, "SWITCHBOARD_REDIS_URL": redis_server, "SWITCHBOARD_REDIS_NAMESPACE": redis_namespace}

@@ -46,9 +46,9 @@ class Console:
 
 @pytest.fixture(scope="module")
 def console(small_engine: AsyncEngine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Console]:
+    from core.db.database import Database
+    from core.settings import Settings
     from gateway.app import create_app
-    from gateway.db.database import Database
-    from gateway.settings import Settings
 
     home = tmp_path_factory.mktemp("console")
     url = f"sqlite:///{home / 'switchboard.db'}"

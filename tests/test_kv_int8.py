@@ -236,7 +236,7 @@ def test_int8_engine_batched_greedy_equals_one_at_a_time(tiny_dir: Path, dtype: 
 
 
 def test_tier_setting_reaches_the_engine_config() -> None:
-    from gateway.settings import Settings, TierSettings
+    from core.settings import Settings, TierSettings
     from gateway.tiers import engine_config
 
     assert engine_config(TierSettings()).kv_cache_dtype == "auto"

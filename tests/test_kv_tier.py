@@ -272,7 +272,7 @@ def test_redis_down_serves_normally_and_counts_errors(tiny_dir: Path) -> None:
 def test_a_tier_setting_gives_its_engine_a_kv_tier_when_redis_is_configured(
     tiny_dir: Path, tmp_path: Path, redis_server: str, redis_namespace: str
 ) -> None:
-    from gateway.settings import Settings
+    from core.settings import Settings
     from gateway.tiers import load_engines
 
     tiers = {

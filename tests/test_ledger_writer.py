@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from gateway.db.database import Database
-from gateway.db.models import Usage, UsageDaily
+from core.db.database import Database
+from core.db.models import Usage, UsageDaily
 from gateway.ledger import Ledger, UsageRecord, rebuild_rollup
 from gateway.tenants import authenticate, create_tenant
 

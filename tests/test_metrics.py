@@ -29,9 +29,9 @@ Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 @pytest.fixture(scope="module")
 def server(small_engine: AsyncEngine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    from core.db.database import Database
+    from core.settings import Settings
     from gateway.app import create_app
-    from gateway.db.database import Database
-    from gateway.settings import Settings
 
     home: Path = tmp_path_factory.mktemp("home")
     url = f"sqlite:///{home / 'switchboard.db'}"

@@ -17,16 +17,16 @@ import pytest
 import sqlalchemy as sa
 
 import services
+from core.db.database import Database
+from core.db.models import ApiKey, Usage
+from core.money import to_units
 from engines.async_engine import AsyncEngine
-from gateway.db.database import Database
-from gateway.db.models import ApiKey, Usage
 from gateway.ledger import Ledger, UsageRecord
 from gateway.tenants import AUTH_TTL, create_tenant, tenant_by_name
 from live import LiveServer, serve_gateway
 from policies.budgets import Budgets, period_window
 from policies.counters import RedisCounters
 from policies.policy import Policy
-from policies.pricing import to_units
 
 QUESTION = [{"role": "user", "content": "Name the capital of France."}]
 PRICED = {

@@ -11,7 +11,8 @@ from decimal import Decimal
 import pytest
 from pydantic import ValidationError
 
-from gateway.db.database import Database
+from core.db.database import Database
+from core.money import UNITS, from_units, to_units
 from gateway.ledger import Ledger, UsageRecord, rebuild_rollup
 from gateway.reports import costs, savings
 from gateway.tenants import authenticate, create_tenant
@@ -19,7 +20,7 @@ from policies.budgets import Budgets, period_window
 from policies.counters import Item, LocalCounters, Missing, RedisCounters
 from policies.dry_run import replay
 from policies.policy import Policy
-from policies.pricing import UNITS, Tokens, charge, from_units, to_units, worst_case
+from policies.pricing import Tokens, charge, worst_case
 from policies.store import PolicyError, PolicyStore
 
 D = Decimal
@@ -166,7 +167,7 @@ def test_policy_versions_audit_rollback_and_cache(database: Database) -> None:
     assert [v.version for v in store.history(who.tenant_id)] == [3, 2, 1]
     with pytest.raises(PolicyError):
         store.rollback(who.tenant_id, 42, "admin:z")
-    from gateway.audit import entries
+    from core.audit import entries
 
     log = [e for e in entries(database, who.tenant_id) if e.action.startswith("policy")]
     assert [(e.action, e.actor) for e in log] == [
@@ -212,7 +213,7 @@ def resv_day() -> str:
 def test_dry_run_replays_a_new_policy_over_the_ledger(database: Database, tmp_path: object) -> None:
     from sqlalchemy import select
 
-    from gateway.db.models import Usage
+    from core.db.models import Usage
 
     who = authenticate(database, create_tenant(database, "acme").key)
     ledger = Ledger(database, tmp_path / "s.jsonl")  # type: ignore[operator]
@@ -241,7 +242,8 @@ def test_dry_run_replays_a_new_policy_over_the_ledger(database: Database, tmp_pa
 def test_budgets_fail_closed_only_where_a_limit_is_at_stake(database: Database) -> None:
     """Redis down: a tenant with a hard budget or a rate limit gets 503s; one without is served
     uncounted (its ledger rows are the truth, and the counters are rebuilt when Redis is back)."""
-    from gateway.errors import APIError
+    from gateway.errors import from_budget
+    from policies.budgets import CountersUnavailable
 
     who = authenticate(database, create_tenant(database, "acme").key)
     port = __import__("services").free_port()  # nothing listens there
@@ -250,9 +252,10 @@ def test_budgets_fail_closed_only_where_a_limit_is_at_stake(database: Database) 
         budgets = Budgets(database, RedisCounters(f"redis://127.0.0.1:{port}/0"), "down")
         limited = Policy.model_validate({"budgets": [{"period": "daily", "money": "5"}]})
         for policy in (limited, Policy.model_validate({"rate_limits": {"key_rpm": 100}})):
-            with pytest.raises(APIError) as info:
+            with pytest.raises(CountersUnavailable) as info:
                 await budgets.admit("r", policy, who.tenant_id, who.key_id, D("0.01"), 10)
-            assert info.value.status == 503 and info.value.code == "budget_unavailable"
+            refusal = from_budget(info.value)  # the one mapping to the OpenAI error shape
+            assert refusal.status == 503 and refusal.code == "budget_unavailable"
         free = await budgets.admit("r", Policy(), who.tenant_id, who.key_id, D("0.01"), 10)
         assert free.items == []
         await budgets.settle(free, D("0.01"), 10)

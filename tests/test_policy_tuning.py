@@ -20,10 +20,10 @@ import openai
 import pytest
 import sqlalchemy as sa
 
+from core.db.models import AuditEntry, PolicyProposal, RoutedPrompt
 from engines.async_engine import AsyncEngine
 from engines.request import EngineRequest, TokenLogprob
 from engines.sampling import SamplingParams
-from gateway.db.models import AuditEntry, PolicyProposal, RoutedPrompt
 from gateway.tenants import create_key, create_tenant, tenant_by_name
 from live import LiveServer
 from policies.policy import Policy, SamplingLimits
@@ -48,6 +48,7 @@ from policies.tuning import (
     truncate,
     tune,
 )
+from verifiers.policy import tuning_hook
 
 QUESTIONS = [
     "Name three primary colors.",
@@ -211,7 +212,16 @@ def test_tuning_with_the_judge_proposes_a_valid_policy(small_engine: AsyncEngine
     variants = [Candidate("current", {}), Candidate("concise", {"sampling.system_instruction": CONCISE})]
     engines = {"small": small_engine}
     t = asyncio.run(
-        tune(Policy(), prompts, engines, grader(Judge(small_engine)), max_tokens=32, variants=variants, tolerance=0.05)
+        tune(
+            Policy(),
+            prompts,
+            engines,
+            grader(Judge(small_engine)),
+            hooks=tuning_hook,
+            max_tokens=32,
+            variants=variants,
+            tolerance=0.05,
+        )
     )
     assert t.skipped == 1 and t.prompts == 4
     names = [r.name for r in t.rows]
@@ -221,7 +231,9 @@ def test_tuning_with_the_judge_proposes_a_valid_policy(small_engine: AsyncEngine
     assert all(not r.eligible for r in t.rows if r.cost < chosen.cost)  # nothing cheaper qualified
     Policy.model_validate(t.policy.model_dump(mode="json"))
     with pytest.raises(TuningError, match="tiers"):
-        asyncio.run(tune(Policy(), [_prompt(0, tier="large")], engines, grader(None), variants=variants))
+        asyncio.run(
+            tune(Policy(), [_prompt(0, tier="large")], engines, grader(None), hooks=tuning_hook, variants=variants)
+        )
 
 
 # --- a synthetic tenant, end to end through a live gateway ------------------------------------------------
@@ -254,8 +266,8 @@ def test_a_synthetic_tenants_proposal_is_applied_audited_and_enforced(
     async def run() -> int:
         request = TuneRequest(tenant.id, sample=6, max_tokens=96)
         engines = {"small": small_engine, "large": small_engine}
-        pid, _ = await tune_tenant(request, engines, policies, proposals, tmp_path, "test", variants=variants,
-                                   grade=any_answer)  # fmt: skip
+        pid, _ = await tune_tenant(request, engines, policies, proposals, tmp_path, "test", hooks=tuning_hook,
+                                   variants=variants, grade=any_answer)  # fmt: skip
         return pid
 
     pid = asyncio.run(run())

@@ -13,8 +13,8 @@ import pytest
 from test_verifiers import apple_answers
 
 from engines.engine import Engine
-from router_model.datasets import Item, user
-from router_model.graders import grade_gsm8k
+from grading.datasets import Item, user
+from grading.graders import grade_gsm8k
 from router_model.label import tier_model
 from router_model.label_store import read_rows
 from verifiers.probe import FEATURE_VERSION, AnswerProbe, load_probe
@@ -91,7 +91,7 @@ def test_train_probe_command(smollm2_dir: Path, tmp_path: Path) -> None:
     with open_appender(labels) as append:
         for r in rows:
             append({"id": r["id"], "source": "gsm8k", "small_ok": r["correct"]})
-    from gateway.settings import Settings
+    from core.settings import Settings
 
     model = tier_model(Settings(profile="tiny", home=home).tiers["small"])
     with open_appender(probe_dir / "answers.jsonl") as append:

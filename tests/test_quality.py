@@ -9,9 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines import quality
 from engines.engine import Engine, EngineConfig
-from engines.quality import extract_answer, gsm8k_accuracy, perplexity, reference_answer, token_nll
+from engines.quality import perplexity, token_nll
+from gateway import model_quality as quality
+from gateway.model_quality import gsm8k_accuracy
+from grading.answers import extract_answer, reference_answer
 from tiny import tiny_hf_model
 
 STREAM = torch.randint(1, 320, (300,), generator=torch.Generator().manual_seed(0)).tolist()

@@ -279,7 +279,7 @@ def test_quantize_command_writes_a_checkpoint(tiny_dir: Path, tmp_path: Path) ->
 
 
 def test_tier_weights_setting() -> None:
-    from gateway.settings import Settings, TierSettings
+    from core.settings import Settings, TierSettings
 
     settings = Settings(tiers={"small": TierSettings(weights="int4")})
     assert settings.model_dir(settings.tiers["small"]).name == "smollm2-135m-instruct-int4"

@@ -32,6 +32,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 import services
+from core.db.database import Database
+from core.db.models import Usage
+from core.settings import Settings, TierSettings
 from engines.async_engine import AsyncEngine
 from engines.circuit_breaker import CircuitBreaker
 from engines.engine import RequestRejected
@@ -39,9 +42,6 @@ from engines.protocol import EngineUnavailable
 from engines.remote_engine import RemoteConfig, RemoteEngine
 from engines.request import EngineRequest, FinishReason, RequestOutput
 from engines.sampling import SamplingParams
-from gateway.db.database import Database
-from gateway.db.models import Usage
-from gateway.settings import Settings, TierSettings
 from gateway.tenants import authenticate, create_key
 from gateway.tiers import check_fallbacks, load_remote
 from live import LiveServer, run_in_thread, start_server

@@ -18,8 +18,8 @@ import sqlalchemy as sa
 from conftest import MODELS_HOME
 
 import services
-from gateway.db.database import Database
-from gateway.db.models import Usage
+from core.db.database import Database
+from core.db.models import Usage
 from gateway.tenants import authenticate, create_tenant
 from policies.budgets import Budgets
 from policies.counters import RedisCounters

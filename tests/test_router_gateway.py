@@ -27,13 +27,14 @@ import sqlalchemy as sa
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import services
+from core import audit
+from core.db.database import Database
+from core.db.models import RoutedPrompt
+from core.settings import Settings
 from engines.async_engine import AsyncEngine
-from gateway import audit
 from gateway.app import create_app
 from gateway.cli import main
-from gateway.db.database import Database
-from gateway.db.models import RoutedPrompt
-from gateway.settings import Settings
+from gateway.shadow import LABELS_FILE
 from gateway.tenants import create_tenant, tenant_by_name
 from live import LiveServer, serve_gateway, start_server
 from policies.policy import Policy, RouterSettings
@@ -42,7 +43,6 @@ from router_model.encoder import RouterEncoder
 from router_model.examples import split_examples
 from router_model.model import load_router, read_metadata, save_router, write_metadata
 from router_model.routed_prompts import RoutedPromptStore
-from router_model.shadow import LABELS_FILE
 from router_model.synthetic import synthetic_examples, write_label_file
 from router_model.train import train_router
 

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from core.settings import Settings
 from gateway.cli import main
-from gateway.settings import Settings
 from gateway.tiers import load_engines
-from router_model.datasets import SOURCES, Item, items_by_id, load_items
-from router_model.graders import (
+from grading.datasets import SOURCES, Item, items_by_id, load_items
+from grading.graders import (
     GRADERS,
     extract_code,
     grade_gsm8k,
@@ -26,9 +26,9 @@ from router_model.graders import (
     parse_verdict,
     run_humaneval,
 )
+from grading.sandbox import run_python
 from router_model.label import label_items, tier_model
 from router_model.label_store import read_rows
-from verifiers.sandbox import run_python
 
 PER_SOURCE, MAX_TOKENS = 2, 16
 

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
+from core.embedder import Embedder
 from gateway.cli import main
-from gateway.semantic_cache import Embedder
 from router_model import calibrate, evaluate
 from router_model.encoder import Int8Linear, RouterEncoder
 from router_model.examples import LabelFileError, ids_hash, load_examples, split_examples

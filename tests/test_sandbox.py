@@ -10,7 +10,7 @@ import uuid
 from pathlib import Path
 from urllib.parse import urlparse
 
-from verifiers.sandbox import run_python
+from grading.sandbox import run_python
 
 
 def unsandboxed(program: str) -> subprocess.CompletedProcess:

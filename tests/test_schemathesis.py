@@ -21,9 +21,9 @@ import pytest
 import schemathesis
 
 import services
+from core.settings import Settings
 from engines.async_engine import AsyncEngine
 from gateway.app import create_app
-from gateway.settings import Settings
 from gateway.tenants import create_key, create_tenant, tenant_by_name
 from live import LiveServer, serve_gateway
 from policies.policy import Policy, SamplingLimits

@@ -13,11 +13,11 @@ import pytest
 import redis
 
 import services
+from core.embedder import Embedder
 from gateway.normalize import request_key
 from gateway.semantic_cache import (
     DEFAULT_THRESHOLD,
     FLOOR,
-    Embedder,
     SemanticCache,
     calibrate,
     calibration_report,

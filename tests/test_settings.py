@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from gateway.settings import Settings
+from core.settings import Settings
 
 
 def test_defaults_serve_the_qwen_pair_on_sqlite(monkeypatch: pytest.MonkeyPatch) -> None:

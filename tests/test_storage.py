@@ -9,8 +9,8 @@ import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
-from gateway.db.database import Database
-from gateway.db.models import ApiKey, Base, Usage
+from core.db.database import Database
+from core.db.models import ApiKey, Base, Usage
 from gateway.ledger import Ledger, UsageRecord
 from gateway.tenants import TenantError, authenticate, create_key, create_tenant, hash_key, revoke_key
 

@@ -13,7 +13,7 @@ import openai
 import pytest
 import sqlalchemy as sa
 
-from gateway.db.models import AuditEntry, Usage, UsageDaily
+from core.db.models import AuditEntry, Usage, UsageDaily
 from gateway.tenants import authenticate, create_key, create_tenant
 from live import LiveServer
 

@@ -10,12 +10,12 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from core.settings import Settings
 from engines.engine import Engine, EngineConfig
 from engines.kv_budget import KVBudget
 from engines.kv_cache import bytes_per_block
 from engines.request import EngineRequest
 from engines.sampling import SamplingParams
-from gateway.settings import Settings
 from gateway.tiers import load_engines
 from tiny import tiny_hf_model
 

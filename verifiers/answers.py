@@ -3,10 +3,10 @@ or a full regex match for structured answers. Each is final-only (it looks once 
 and says `escalate` when the answer fails, `continue` (score 1) when it passes: on a cascade, a failed
 small-tier answer is retried on the large tier.
 
-- `MathAnswer`: the answer must end in a number (`engines.quality`'s GSM8K rule); with a reference
+- `MathAnswer`: the answer must end in a number (`grading.answers`' GSM8K rule); with a reference
   (benchmarks), it must equal it.
 - `CodeTests`: the code in the answer (a fenced block, else the text) and `Context.tests` run together
-  in `verifiers.sandbox`; passing means exit status 0. Without tests there is nothing to check.
+  in `grading.sandbox`; passing means exit status 0. Without tests there is nothing to check.
 - `Structure`: JSON that parses (and matches `response_format`'s schema, if it has one), or a full
   match of its regex. Constrained decoding makes this hold by construction on our engines; it catches
   answers cut off by `max_tokens` and answers from tiers that cannot constrain (remote ones).
@@ -17,16 +17,9 @@ from __future__ import annotations
 import json
 import re
 
-from engines.quality import extract_answer, reference_answer
+from grading.answers import answer_code, extract_answer, reference_answer
+from grading.sandbox import run_python
 from verifiers.base import Action, Context, Trace, TraceVerifier, Verdict
-from verifiers.sandbox import run_python
-
-_FENCE = re.compile(r"```([\w+.-]*)[^\n]*\n(.*?)(?:^[ \t]*```|\Z)", re.S | re.M)
-
-
-def fenced_blocks(text: str) -> list[tuple[str, str]]:
-    """(tag, code) of each fenced block; an unclosed fence (the answer ran out of tokens) runs to the end."""
-    return _FENCE.findall(text)
 
 
 class MathAnswer(TraceVerifier):
@@ -41,12 +34,6 @@ class MathAnswer(TraceVerifier):
             if answer != expected:
                 return self.verdict(Action.ESCALATE, 0.0, f"final number {answer} is not {expected}")
         return self.verdict(Action.CONTINUE, 1.0, f"final number {answer}")
-
-
-def answer_code(text: str) -> str:
-    """The code of an answer: its fenced blocks joined, else the whole text."""
-    blocks = [code for _, code in fenced_blocks(text)]
-    return "\n\n".join(blocks) if blocks else text
 
 
 class CodeTests(TraceVerifier):

@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from engines.quality import extract_answer
+from grading.answers import extract_answer
 from verifiers.base import NOT_CHECKED, Action, Context, Trace, Verdict, Verifier
 
 

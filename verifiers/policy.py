@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from policies.policy import VerifierSettings
+from policies.policy import Policy, VerifierSettings
+from policies.tuning import TunePrompt
 from verifiers.answers import CodeTests, MathAnswer, Structure
-from verifiers.base import Verifier
+from verifiers.base import Context, Verifier
 from verifiers.compose import all_of, any_of
 from verifiers.confidence import Confidence
 from verifiers.degeneration import Degeneration
+from verifiers.hook import VerifierHook
 from verifiers.probe import AnswerProbe, ProbeCheck
 
 
@@ -44,3 +46,12 @@ def _combined(members: list[Verifier], combine: str) -> Verifier | None:
     if len(members) == 1:
         return members[0]
     return any_of(*members) if combine == "any" else all_of(*members)
+
+
+def tuning_hook(policy: Policy, prompt: TunePrompt, request_id: str) -> VerifierHook | None:
+    """The in-flight verifiers `policy` puts on a tuning request for `prompt` (policy tuning's `hooks`);
+    final checks are left out: they escalate, which tuning does not model."""
+    if not policy.verifiers.enabled:
+        return None
+    verifier, _ = build_verifiers(policy.verifiers, 1)
+    return VerifierHook(verifier, Context(prompt=prompt.question, messages=prompt.messages), [request_id])

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from engines.quality import extract_answer
-from gateway.semantic_cache import Embedder
+from core.embedder import Embedder
+from grading.answers import extract_answer
 from verifiers.base import Action, Context, Trace, TraceVerifier, Verdict
 
 FEATURE_VERSION = "probe-minilm-int8+answer-1"

@@ -21,8 +21,8 @@ from engines.engine import Engine
 from engines.offline import complete_all
 from engines.request import EngineRequest
 from engines.sampling import SamplingParams
-from router_model.datasets import Item, items_by_id
-from router_model.graders import GRADERS
+from grading.datasets import Item, items_by_id
+from grading.graders import GRADERS
 from router_model.label_store import open_appender, read_rows
 from verifiers.probe import AnswerProbe
 

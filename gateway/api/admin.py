@@ -13,7 +13,7 @@ import anyio
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway import audit
+from core import audit
 from gateway.api.params import KeyPrefix, TenantFilter, TenantName
 from gateway.auth import AdminPrincipal, visible_tenant
 from gateway.errors import APIError, documented

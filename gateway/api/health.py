@@ -10,8 +10,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
+from core.settings import TierSettings
 from engines.protocol import TierEngine
-from gateway.settings import TierSettings
 
 router = APIRouter(tags=["health"])
 

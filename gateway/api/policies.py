@@ -15,9 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
+from core.db.models import Usage
 from gateway.api.params import TenantName
 from gateway.auth import AdminPrincipal, PolicyReader, visible_tenant
-from gateway.db.models import Usage
 from gateway.errors import APIError, documented
 from policies.dry_run import replay
 from policies.policy import Policy

@@ -22,7 +22,9 @@ from fastapi.routing import APIRoute
 from fastapi.templating import Jinja2Templates
 from sqlalchemy.exc import IntegrityError
 
-from gateway import audit, reports
+from core import audit
+from core.db.models import Tenant
+from gateway import reports
 from gateway.api.policies import served_policy
 from gateway.auth import visible_tenant
 from gateway.console.chart import cost_chart, usd
@@ -44,7 +46,6 @@ from gateway.console.session import (
     set_cookie,
     small_int,
 )
-from gateway.db.models import Tenant
 from gateway.errors import APIError
 from gateway.tenants import (
     ROLES,

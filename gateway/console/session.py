@@ -20,8 +20,8 @@ import anyio
 from fastapi import Depends, Request, Response
 from sqlalchemy import select
 
-from gateway.db.database import Database
-from gateway.db.models import ApiKey, Tenant
+from core.db.database import Database
+from core.db.models import ApiKey, Tenant
 from gateway.errors import APIError
 from gateway.tenants import Principal
 

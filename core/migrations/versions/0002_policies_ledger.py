@@ -10,7 +10,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from gateway.db.models import MoneyType
+from core.db.models import MoneyType
 
 revision = "0002"
 down_revision = "0001"

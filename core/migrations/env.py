@@ -8,8 +8,8 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import create_engine
 
-from gateway.db.database import normalize_url
-from gateway.db.models import Base
+from core.db.database import normalize_url
+from core.db.models import Base
 
 config = context.config
 engine = config.attributes.get("engine")

