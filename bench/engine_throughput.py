@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 from common import MTBENCH, say
 
+from engines.checkpoints.fetch import assemble_gguf, fetch_model, fetch_package_file, registry_model
 from engines.engine import Engine
-from engines.fetch import assemble_gguf, fetch_model, fetch_package_file, registry_model
 from engines.request import EngineRequest
 from engines.sampling import SamplingParams
 

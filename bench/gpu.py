@@ -63,8 +63,8 @@ def main() -> int:
 
 
 def load(settings: object, tier: object, config: str) -> object:
-    from engines.backends import TorchBackend, use
     from engines.engine import Engine
+    from engines.kernels.backends import TorchBackend, use
     from gateway.tiers import engine_config
 
     use("cuda", TorchBackend() if config == "torch" else None)  # before loading: linear layers pick kernels then

@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from common import THREADS, say
 
+from engines.checkpoints.loader import load_model
 from engines.engine import Engine, EngineConfig
-from engines.kv_tier import KVTier, checkpoint_fingerprint
-from engines.model_loader import load_model
+from engines.kv.tier import KVTier, checkpoint_fingerprint
 from engines.request import EngineRequest
 from engines.sampling import SamplingParams
 from engines.tokenizer import Tokenizer

@@ -8,7 +8,7 @@ routers fitted on Python's own docs and stdlib), and serves it with each --top-k
 only the config's experts per token differ). All models serve int8 weights, as the large tier does
 on this CPU. In one process, same threads:
   decode tok/s at batch 1 and 8 on MT-bench first turns (greedy, EOS ignored, prefill not timed);
-  perplexity on held-out text (`engines.quality`, --ppl-tokens tokens) and accuracy on the first
+  perplexity on held-out text (`engines.checkpoints.quality`, --ppl-tokens tokens) and accuracy on the first
   --gsm8k GSM8K test problems.
 Active parameters: the linear weights one token reads (attention, router, shared and chosen
 experts, output head; the embedding row is a lookup). Last line: one JSON object, for the smallest
@@ -25,12 +25,12 @@ from pathlib import Path
 
 from common import mtbench_questions, say
 
+from engines.checkpoints.fetch import fetch_model
+from engines.checkpoints.moe_build import build_moe
+from engines.checkpoints.quality import perplexity
+from engines.checkpoints.quantized import fetch_quantized
 from engines.engine import Engine, EngineConfig
-from engines.fetch import fetch_model
-from engines.model_config import ModelConfig
-from engines.moe_build import build_moe
-from engines.quality import perplexity
-from engines.quantized_checkpoint import fetch_quantized
+from engines.models.config import ModelConfig
 from engines.request import EngineRequest
 from engines.sampling import SamplingParams
 from gateway.model_quality import gsm8k_accuracy

@@ -8,7 +8,7 @@ For each model, in one process with the same threads:
   file at 1 and 16 parallel sequences (one context, a `llama_batch` with 16 sequence ids:
   bench/llamacpp_batched.py). Decode only: every sequence's prompt is prefilled first, then
   N sequences × (tokens - 1) greedy steps are timed, EOS ignored; the median of --repeats runs.
-  perplexity on held-out text (`engines.quality`, 4,096 tokens) and accuracy on the first --gsm8k
+  perplexity on held-out text (`engines.checkpoints.quality`, 4,096 tokens) and accuracy on the first --gsm8k
   GSM8K problems for bf16, int8, int4 and bf16 weights with the int8 KV cache; KV bytes per token.
 The last line is one JSON object; the headline ratios are for the last model (Qwen 1.5B by default).
 """
@@ -25,12 +25,12 @@ from pathlib import Path
 import torch
 from common import mtbench_questions, say
 
+from engines.checkpoints.fetch import assemble_gguf, fetch_model, registry_model
+from engines.checkpoints.quality import perplexity
+from engines.checkpoints.quantized import fetch_quantized
 from engines.engine import Engine, EngineConfig
-from engines.fetch import assemble_gguf, fetch_model, registry_model
-from engines.kv_cache import bytes_per_token
-from engines.model_config import ModelConfig
-from engines.quality import perplexity
-from engines.quantized_checkpoint import fetch_quantized
+from engines.kv.cache import bytes_per_token
+from engines.models.config import ModelConfig
 from engines.request import EngineRequest
 from engines.sampling import SamplingParams
 from gateway.model_quality import gsm8k_accuracy

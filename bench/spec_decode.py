@@ -28,13 +28,13 @@ from pathlib import Path
 
 from common import mtbench_questions, say
 
+from engines.checkpoints.fetch import fetch_model
+from engines.checkpoints.loader import load_model
+from engines.checkpoints.quantized import fetch_quantized
 from engines.engine import Engine, EngineConfig
-from engines.fetch import fetch_model
-from engines.model_loader import load_model
-from engines.quantized_checkpoint import fetch_quantized
 from engines.request import EngineRequest
 from engines.sampling import SamplingParams
-from engines.speculator import SpeculativeConfig
+from engines.speculative.speculator import SpeculativeConfig
 from gateway.model_quality import gsm8k_prompt
 from grading.datasets import load_gsm8k
 

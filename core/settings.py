@@ -18,9 +18,9 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from engines.fetch import model_dir as registry_model_dir
-from engines.fetch import quantized_dir
-from engines.registry import REGISTRY
+from engines.checkpoints.fetch import model_dir as registry_model_dir
+from engines.checkpoints.fetch import quantized_dir
+from engines.checkpoints.registry import REGISTRY
 
 DEFAULT_HOME = Path("~/.cache/switchboard")
 

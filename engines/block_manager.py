@@ -1,6 +1,6 @@
 """Paged KV memory: fixed-size blocks, block tables, reference counts and automatic prefix caching.
 
-The block manager only does bookkeeping; the tensors live in `engines.kv_cache.PagedKVCache`. A block
+The block manager only does bookkeeping; the tensors live in `engines.kv.cache.PagedKVCache`. A block
 holds `block_size` consecutive tokens of one sequence. Every full block gets a hash chained from its
 parent block's hash, its token ids and a salt (the model, and the tenant when tenants are isolated),
 so two sequences with the same prefix share the same blocks and compute them once.
@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engines.kv_budget import KVBudget
+from engines.kv.budget import KVBudget
 
 BlockHash = int
 

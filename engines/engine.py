@@ -19,20 +19,20 @@ from typing import TYPE_CHECKING
 import torch
 
 from engines.block_manager import BlockManager, BlockTable
+from engines.checkpoints.loader import load_model
 from engines.detokenizer import IncrementalDetokenizer
-from engines.kv_budget import KVBudget
-from engines.kv_cache import PagedKVCache, bytes_per_block
-from engines.kv_tier import KVTier, TierLink
-from engines.model_loader import load_model
+from engines.kv.budget import KVBudget
+from engines.kv.cache import PagedKVCache, bytes_per_block
+from engines.kv.tier import KVTier, TierLink
 from engines.model_runner import Chunk, ModelRunner
 from engines.models.llama import LlamaForCausalLM
-from engines.proposers import Draft, DraftProposer, NgramProposer
 from engines.request import EngineRequest, FinishReason, GenerationHook, RequestOutput, TokenLogprob
 from engines.sampling import sample
 from engines.scheduler import Scheduler
 from engines.sequence import Sequence
-from engines.spec_decode import accept
-from engines.speculator import SpeculativeConfig, Speculator
+from engines.speculative.acceptance import accept
+from engines.speculative.proposers import Draft, DraftProposer, NgramProposer
+from engines.speculative.speculator import SpeculativeConfig, Speculator
 from engines.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -209,7 +209,7 @@ class Engine:
             budget=self.kv_budget,
         )
         if spec.draft_vocab:
-            from engines.draft_head import frequent_token_ids
+            from engines.speculative.draft_head import frequent_token_ids
 
             vocab = draft_model.config.vocab_size
             proposer.runner.restrict_vocab(frequent_token_ids(self.tokenizer, vocab, spec.draft_vocab))

@@ -7,7 +7,7 @@ of a speculative step) go through the output head.
 
 A step with a single token runs it twice: bf16 matmuls take another kernel for one row than for two or
 more, whose rows are bit-identical for any row count, so padding keeps a lone request's greedy answer
-the same as when it shares steps with others (see `engines.attention` for the attention half).
+the same as when it shares steps with others (see `engines.layers.attention` for the attention half).
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engines.attention import AttentionMetadata
-from engines.backends import backend_for
 from engines.cuda_graphs import DecodeGraphs
-from engines.kv_cache import PagedKVCache
-from engines.linear import Linear
+from engines.kernels.backends import backend_for
+from engines.kv.cache import PagedKVCache
+from engines.layers.attention import AttentionMetadata
+from engines.layers.linear import Linear
 from engines.models.llama import LlamaForCausalLM
 
 
@@ -59,7 +59,7 @@ class ModelRunner:
 
     def restrict_vocab(self, ids: torch.Tensor) -> None:
         """Compute logits for `ids` only (a draft's cheap head); the rest read -inf."""
-        from engines.draft_head import restricted_head
+        from engines.speculative.draft_head import restricted_head
 
         self.vocab, self.head = ids, restricted_head(self.model, ids)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from core.settings import Settings
-from engines.fetch import FetchError
+from engines.checkpoints.fetch import FetchError
 from gateway.tenants import TenantError
 
 if TYPE_CHECKING:
@@ -242,7 +242,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _models_fetch(args: argparse.Namespace) -> int:
-    from engines.fetch import fetch_model
+    from engines.checkpoints.fetch import fetch_model
 
     settings = _settings()
     names = args.names or sorted({t.model for t in settings.tiers.values() if t.is_registry_model})
@@ -252,8 +252,8 @@ def _models_fetch(args: argparse.Namespace) -> int:
 
 
 def _models_list(_: argparse.Namespace) -> int:
-    from engines.fetch import is_fetched
-    from engines.registry import REGISTRY
+    from engines.checkpoints.fetch import is_fetched
+    from engines.checkpoints.registry import REGISTRY
 
     home = _settings().home_dir
     for name, entry in REGISTRY.items():
@@ -266,10 +266,10 @@ def _models_eval(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
+    from engines.checkpoints.fetch import fetch_model
+    from engines.checkpoints.quantized import fetch_quantized
     from engines.engine import Engine, EngineConfig
-    from engines.fetch import fetch_model
-    from engines.model_config import UnsupportedModelError
-    from engines.quantized_checkpoint import fetch_quantized
+    from engines.models.config import UnsupportedModelError
     from gateway.model_quality import evaluate
 
     home = _settings().home_dir
@@ -307,10 +307,10 @@ def _models_eval(args: argparse.Namespace) -> int:
 def _models_quantize(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from engines.fetch import assemble_gguf, fetch_model, registry_model
-    from engines.model_config import UnsupportedModelError
-    from engines.quantized_checkpoint import quantize_checkpoint
-    from engines.registry import REGISTRY
+    from engines.checkpoints.fetch import assemble_gguf, fetch_model, registry_model
+    from engines.checkpoints.quantized import quantize_checkpoint
+    from engines.checkpoints.registry import REGISTRY
+    from engines.models.config import UnsupportedModelError
 
     home = _settings().home_dir
     gguf = None
@@ -333,10 +333,10 @@ def _models_quantize(args: argparse.Namespace) -> int:
 def _models_moe(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from engines.fetch import fetch_model
-    from engines.model_config import UnsupportedModelError
-    from engines.moe_build import build_moe
-    from engines.registry import REGISTRY
+    from engines.checkpoints.fetch import fetch_model
+    from engines.checkpoints.moe_build import build_moe
+    from engines.checkpoints.registry import REGISTRY
+    from engines.models.config import UnsupportedModelError
 
     if args.src in REGISTRY:
         src = fetch_model(args.src, _settings().home_dir)
@@ -360,10 +360,10 @@ def _models_moe(args: argparse.Namespace) -> int:
 def _models_distill(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from engines.distill import DistillConfig, distill
-    from engines.fetch import fetch_model
-    from engines.quantized_checkpoint import fetch_quantized
-    from engines.registry import REGISTRY
+    from engines.checkpoints.fetch import fetch_model
+    from engines.checkpoints.quantized import fetch_quantized
+    from engines.checkpoints.registry import REGISTRY
+    from engines.speculative.distill import DistillConfig, distill
 
     home = _settings().home_dir
 

@@ -1,5 +1,5 @@
 """The quality gate for model variants (`switchboard models quality`): perplexity on held-out shipped
-text (`engines.quality`) and GSM8K accuracy, both through the engine itself.
+text (`engines.checkpoints.quality`) and GSM8K accuracy, both through the engine itself.
 
 GSM8K: the first N problems of the test file, a zero-shot chat prompt, greedy, all submitted together so
 the engine batches them; the last number of the completion must equal the reference (the number after
@@ -17,8 +17,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from engines.checkpoints.quality import token_nll
 from engines.engine import Engine
-from engines.quality import token_nll
 from engines.request import EngineRequest, FinishReason
 from engines.sampling import SamplingParams
 from grading.answers import extract_answer, reference_answer

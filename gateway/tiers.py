@@ -11,16 +11,16 @@ import torch
 
 from core.settings import Settings, TierSettings
 from engines.async_engine import AsyncEngine
+from engines.checkpoints.fetch import FetchError, fetch_model, is_fetched
+from engines.checkpoints.fetch import model_dir as registry_model_dir
+from engines.checkpoints.loader import load_model
+from engines.checkpoints.quantized import is_quantized_dir
 from engines.engine import Engine, EngineConfig
-from engines.fetch import FetchError, fetch_model, is_fetched
-from engines.fetch import model_dir as registry_model_dir
-from engines.kv_budget import KVBudget
-from engines.kv_tier import KVTier, checkpoint_fingerprint
-from engines.model_loader import load_model
+from engines.kv.budget import KVBudget
+from engines.kv.tier import KVTier, checkpoint_fingerprint
 from engines.protocol import TierEngine
-from engines.quantized_checkpoint import is_quantized_dir
-from engines.remote_engine import RemoteConfig, RemoteEngine
-from engines.speculator import SpeculativeConfig
+from engines.remote.engine import RemoteConfig, RemoteEngine
+from engines.speculative.speculator import SpeculativeConfig
 from engines.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ def ensure_models(settings: Settings, *, progress: bool = True) -> None:
         if not settings.auto_fetch:
             raise FetchError(f"tier {name!r} needs {tier.model}; run `switchboard models fetch {tier.model}`")
         if quantized:
-            from engines.quantized_checkpoint import fetch_quantized
+            from engines.checkpoints.quantized import fetch_quantized
 
             fetch_quantized(tier.model, settings.home_dir, tier.weights, progress=progress)
         else:

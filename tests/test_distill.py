@@ -6,11 +6,11 @@ from pathlib import Path
 
 import torch
 
-from engines.distill import STATE, DistillConfig, distill
 from engines.engine import Engine, EngineConfig
 from engines.request import EngineRequest
 from engines.sampling import SamplingParams
-from engines.speculator import SpeculativeConfig
+from engines.speculative.distill import STATE, DistillConfig, distill
+from engines.speculative.speculator import SpeculativeConfig
 from tiny import tiny_hf_model
 
 CORPUS = torch.randint(1, 320, (12 * 48,), generator=torch.Generator().manual_seed(5)).tolist()

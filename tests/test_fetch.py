@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from engines import fetch
-from engines.fetch import FetchError, assemble_gguf, fetch_model, is_fetched, registry_model
-from engines.registry import REGISTRY, Chunk, RegistryModel
+from engines.checkpoints import fetch
+from engines.checkpoints.fetch import FetchError, assemble_gguf, fetch_model, is_fetched, registry_model
+from engines.checkpoints.registry import REGISTRY, Chunk, RegistryModel
 
 SMOL = REGISTRY["smollm2-135m-instruct"]
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engines.gguf_convert import hf_name, unpermute_rope
-from engines.model_config import UnsupportedModelError
-from engines.registry import REGISTRY
+from engines.checkpoints.gguf_convert import hf_name, unpermute_rope
+from engines.checkpoints.registry import REGISTRY
+from engines.models.config import UnsupportedModelError
 
 MODELS_HOME_GGUF = "gguf"
 

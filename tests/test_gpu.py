@@ -52,7 +52,7 @@ def test_a_gpu_engine_serves_the_cpu_reference_tokens_with_and_without_graphs(ti
 @cuda
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_quantized_weights_on_the_gpu_use_the_triton_matmuls(tiny_dir: Path, weights: str) -> None:
-    from engines.linear import BackendKernel, Linear
+    from engines.layers.linear import BackendKernel, Linear
 
     engine = Engine.from_dir(tiny_dir, dtype="bf16", weights=weights, device="cuda")
     kernels = [m.kernel for m in engine.model.modules() if isinstance(m, Linear) and m.kernel is not None]

@@ -9,10 +9,10 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-import engines.attention as attention
-from engines.attention import AttentionMetadata, TorchPagedAttention
+import engines.layers.attention as attention
 from engines.engine import Engine, EngineConfig
-from engines.kv_cache import PagedKVCache, bytes_per_block, bytes_per_token, quantize
+from engines.kv.cache import PagedKVCache, bytes_per_block, bytes_per_token, quantize
+from engines.layers.attention import AttentionMetadata, TorchPagedAttention
 from engines.request import EngineRequest
 from engines.sampling import SamplingParams
 from tiny import tiny_hf_model

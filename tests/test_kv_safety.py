@@ -19,7 +19,7 @@ import pytest
 import services
 from engines.async_engine import AsyncEngine
 from engines.engine import Engine, EngineConfig
-from engines.kv_cache import bytes_per_block
+from engines.kv.cache import bytes_per_block
 from gateway.tenants import create_tenant
 from live import LiveServer, serve_gateway
 

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines.attention import AttentionMetadata, TorchPagedAttention
-from engines.kv_cache import PagedKVCache
-from engines.model_config import ModelConfig, UnsupportedModelError
-from engines.model_loader import load_model
+from engines.checkpoints.loader import load_model
+from engines.kv.cache import PagedKVCache
+from engines.layers.attention import AttentionMetadata, TorchPagedAttention
+from engines.models.config import ModelConfig, UnsupportedModelError
 from engines.models.llama import LlamaForCausalLM
 from tiny import tiny_hf_model
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 from test_models import run_in_pieces
 
+from engines.checkpoints.loader import load_model
+from engines.checkpoints.moe_build import build_moe
 from engines.engine import Engine
-from engines.model_config import ModelConfig
-from engines.model_loader import load_model
+from engines.models.config import ModelConfig
 from engines.models.moe import SparseMoE
-from engines.moe_build import build_moe
 from engines.request import EngineRequest
 from engines.sampling import SamplingParams
 from tiny import tiny_hf_model

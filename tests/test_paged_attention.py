@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.attention import AttentionMetadata, TorchPagedAttention
-from engines.kv_cache import PagedKVCache
+from engines.kv.cache import PagedKVCache
+from engines.layers.attention import AttentionMetadata, TorchPagedAttention
 
 HEADS, KV_HEADS, DIM, BS, BLOCKS = 6, 2, 8, 4, 64
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from engines.checkpoints.quality import perplexity, token_nll
 from engines.engine import Engine, EngineConfig
-from engines.quality import perplexity, token_nll
 from gateway import model_quality as quality
 from gateway.model_quality import gsm8k_accuracy
 from grading.answers import extract_answer, reference_answer

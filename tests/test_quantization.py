@@ -13,13 +13,13 @@ import torch
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize as gguf_dequantize
 
-from engines import cpu_kernels
+from engines.checkpoints.gguf_quant import target_format, to_quantized
+from engines.checkpoints.loader import load_model
+from engines.checkpoints.quantize import QuantizedWeight, pack_int4, quantize_int4, quantize_int8, unpack_int4
+from engines.checkpoints.quantized import QUANT_CONFIG, quantize_checkpoint
 from engines.engine import Engine, EngineConfig
-from engines.gguf_quant import target_format, to_quantized
-from engines.linear import Int8Kernel, Linear
-from engines.model_loader import load_model
-from engines.quantize import QuantizedWeight, pack_int4, quantize_int4, quantize_int8, unpack_int4
-from engines.quantized_checkpoint import QUANT_CONFIG, quantize_checkpoint
+from engines.kernels import cpu_kernels
+from engines.layers.linear import Int8Kernel, Linear
 from engines.request import EngineRequest
 from engines.sampling import SamplingParams
 from tiny import tiny_hf_model
@@ -51,7 +51,7 @@ def test_quantized_linear_matches_the_dequantized_reference(
 ) -> None:
     if native and not cpu_kernels.available():
         pytest.skip("our kernels need an AVX2 CPU and a C++ compiler")
-    monkeypatch.setattr("engines.linear.cpu_kernels.available", lambda: native)  # False: torch's kernels
+    monkeypatch.setattr("engines.layers.linear.cpu_kernels.available", lambda: native)  # False: torch's kernels
     qw = quantize_int8(weight()) if fmt == "int8" else quantize_int4(weight())
     x = torch.randn(rows, K).to(dtype)
     ref = x.float() @ qw.dequantize().T
@@ -77,7 +77,7 @@ def test_a_wrong_packing_fails_the_reference_check(fmt: str, monkeypatch: pytest
         broken = QuantizedWeight("int4", pack_int4(swapped), qw.scales, qw.zeros, qw.group_size)
     x = torch.randn(8, K)
     assert rel_error(layer(broken, torch.float32)(x), x @ qw.dequantize().T) > 0.5  # the kernel at hand
-    monkeypatch.setattr("engines.linear.cpu_kernels.available", lambda: False)  # and torch's
+    monkeypatch.setattr("engines.layers.linear.cpu_kernels.available", lambda: False)  # and torch's
     assert rel_error(layer(broken, torch.float32)(x), x @ qw.dequantize().T) > 0.5
 
 
@@ -92,8 +92,8 @@ def test_int8_by_int8_keeps_outlier_channels_out_of_the_activation_scale(
 ) -> None:
     if path == "native" and not cpu_kernels.available():
         pytest.skip("our kernels need an AVX2 CPU and a C++ compiler")
-    monkeypatch.setattr("engines.linear.cpu_kernels.available", lambda: path == "native")
-    monkeypatch.setattr("engines.linear._has_fbgemm", lambda: path == "fbgemm")  # else `_int_mm`
+    monkeypatch.setattr("engines.layers.linear.cpu_kernels.available", lambda: path == "native")
+    monkeypatch.setattr("engines.layers.linear._has_fbgemm", lambda: path == "fbgemm")  # else `_int_mm`
     torch.manual_seed(1)
     w = weight()
     x = torch.randn(32, K)
@@ -113,7 +113,7 @@ def test_int8_by_int8_keeps_outlier_channels_out_of_the_activation_scale(
     # Rows are quantized one by one: a row's output does not depend on the others in the batch.
     for i in (0, 5, 31):
         assert torch.allclose(calibrated(x[i : i + 1]), calibrated(x)[i : i + 1], rtol=1e-5, atol=1e-5)
-    monkeypatch.setattr("engines.linear.cpu_kernels.available", lambda: False)
+    monkeypatch.setattr("engines.layers.linear.cpu_kernels.available", lambda: False)
     weight_only = Int8Kernel(quantize_int8(w), torch.float32)  # uncalibrated, torch's: activations stay float
     assert rel_error(weight_only(x), ref) < 1e-5
 
@@ -157,8 +157,8 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
-    from engines.attention import AttentionMetadata, TorchPagedAttention
-    from engines.kv_cache import PagedKVCache
+    from engines.kv.cache import PagedKVCache
+    from engines.layers.attention import AttentionMetadata, TorchPagedAttention
 
     cfg = model.config
     cache = PagedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 8, 16, model.dtype)
@@ -217,8 +217,8 @@ def test_engine_without_our_kernels_runs_torchs(tiny_dir: Path, weights: str, mo
     prompts = [list(range(1 + i, 20 + 3 * i)) for i in range(6)]
     config = EngineConfig(kv_cache_bytes=1 << 22)
     ours = generate(Engine.from_dir(tiny_dir, weights=weights, config=config), prompts)
-    monkeypatch.setattr("engines.linear.cpu_kernels.available", lambda: False)
-    monkeypatch.setattr("engines.cpu_ops.library", lambda: None)
+    monkeypatch.setattr("engines.layers.linear.cpu_kernels.available", lambda: False)
+    monkeypatch.setattr("engines.kernels.cpu_ops.library", lambda: None)
     engine = Engine.from_dir(tiny_dir, weights=weights, config=config)
     assert type(engine.runner.backend).__name__ == "TorchPagedAttention"
     assert all(m.kernel is None or m.kernel.native is None for m in engine.model.modules() if isinstance(m, Linear))
@@ -234,7 +234,7 @@ def test_gguf_q4_model_keeps_its_blocks_and_greedy_text(smollm2_dir: Path) -> No
     0 and 15). Greedy text must match, or diverge only where the two models nearly tie."""
     from conftest import MODELS_HOME
 
-    from engines.quantized_checkpoint import fetch_quantized
+    from engines.checkpoints.quantized import fetch_quantized
 
     native = Engine.from_dir(fetch_quantized("smollm2-135m-instruct", MODELS_HOME, "int4", progress=False))
     requant = Engine.from_dir(smollm2_dir, weights="int4")

@@ -46,7 +46,7 @@ CODE_PROMPTS = [
 @pytest.fixture(scope="module")
 def int8_pair(qwen_int8_pair: tuple[Path, Path]) -> tuple[Engine, object]:
     """The 1.5B target (an engine) and the 0.5B draft (a model), int8 as the tiers serve them on AVX2."""
-    from engines.model_loader import load_model
+    from engines.checkpoints.loader import load_model
 
     draft_dir, target_dir = qwen_int8_pair
     return Engine.from_dir(target_dir), load_model(draft_dir, "bf16")
@@ -57,7 +57,7 @@ def test_speculative_greedy_equals_plain_greedy_on_the_qwen_pair(method: str, in
     """The 0.5B drafts for the 1.5B, or n-gram lookup: the output is the 1.5B's plain greedy output,
     token for token, on 8 prompts in one batch."""
     from engines.engine import EngineConfig
-    from engines.speculator import SpeculativeConfig
+    from engines.speculative.speculator import SpeculativeConfig
 
     target, draft = int8_pair
     spec = SpeculativeConfig(method=method, adaptive=False, num_speculative_tokens=4)

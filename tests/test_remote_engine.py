@@ -36,10 +36,10 @@ from core.db.database import Database
 from core.db.models import Usage
 from core.settings import Settings, TierSettings
 from engines.async_engine import AsyncEngine
-from engines.circuit_breaker import CircuitBreaker
 from engines.engine import RequestRejected
 from engines.protocol import EngineUnavailable
-from engines.remote_engine import RemoteConfig, RemoteEngine
+from engines.remote.circuit_breaker import CircuitBreaker
+from engines.remote.engine import RemoteConfig, RemoteEngine
 from engines.request import EngineRequest, FinishReason, RequestOutput
 from engines.sampling import SamplingParams
 from gateway.tenants import authenticate, create_key

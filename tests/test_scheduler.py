@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engines.engine import Engine, EngineConfig
-from engines.kv_cache import bytes_per_block
+from engines.kv.cache import bytes_per_block
 from engines.request import EngineRequest, FinishReason, RequestOutput
 from engines.sampling import SamplingParams
 from engines.scheduler import ScheduledBatch

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from engines.checkpoints.loader import load_model
 from engines.engine import Engine, EngineConfig
-from engines.model_loader import load_model
-from engines.proposers import NgramProposer
 from engines.request import EngineRequest, RequestOutput
 from engines.sampling import SamplingParams, SamplingState, distribution
-from engines.spec_decode import LinearCost, accept, choose_k, expected_tokens
-from engines.speculator import SpeculativeConfig
+from engines.speculative.acceptance import LinearCost, accept, choose_k, expected_tokens
+from engines.speculative.proposers import NgramProposer
+from engines.speculative.speculator import SpeculativeConfig
 from tiny import tiny_hf_model
 
 PROMPTS = [[(7 * i + j) % 300 + 1 for j in range(5 + 3 * i)] for i in range(8)]

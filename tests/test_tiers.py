@@ -12,8 +12,8 @@ from pydantic import ValidationError
 
 from core.settings import Settings
 from engines.engine import Engine, EngineConfig
-from engines.kv_budget import KVBudget
-from engines.kv_cache import bytes_per_block
+from engines.kv.budget import KVBudget
+from engines.kv.cache import bytes_per_block
 from engines.request import EngineRequest
 from engines.sampling import SamplingParams
 from gateway.tiers import load_engines

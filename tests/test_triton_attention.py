@@ -18,9 +18,9 @@ import pytest
 import torch
 import triton_support
 
-from engines import triton_attention as ta
-from engines.attention import AttentionMetadata, TorchPagedAttention
-from engines.kv_cache import PagedKVCache
+from engines.kernels import triton_attention as ta
+from engines.kv.cache import PagedKVCache
+from engines.layers.attention import AttentionMetadata, TorchPagedAttention
 
 DIM, BLOCKS = 16, 48
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}  # max error relative to the output's max magnitude
@@ -262,7 +262,7 @@ def test_kernels_compile_for_the_gpu(tmp_path: Path) -> None:
     ptxas, for a bf16 model (which the interpreter cannot run) and an fp16 one over an int8 pool; and
     quantization divides with IEEE rounding there (div.rn, not div.full)."""
     cases = compile_cases("bf16", False) + compile_cases("fp16", True)
-    ptx_list = triton_support.compile_for_h100("engines.triton_attention", cases, tmp_path)
+    ptx_list = triton_support.compile_for_h100("engines.kernels.triton_attention", cases, tmp_path)
     ptx = dict(zip([f"{name}/{consts.get('QUANT')}" for name, _, consts in cases], ptx_list, strict=True))
     store = ptx["_store_kv_kernel/True"]
     assert "div.rn.f32" in store and "div.full" not in store and "cvt.rn.f16.f32" in store

@@ -1,6 +1,6 @@
-"""The Triton weight-only quantized matmuls (`engines.triton_matmul`) against x @ `QuantizedWeight.dequantize()`.T
-on real quantized weights (`engines.quantize`), run on the CPU under the Triton interpreter; each check is
-shown to catch a deliberately broken kernel."""
+"""The Triton weight-only quantized matmuls (`engines.kernels.triton_matmul`) against x @
+`QuantizedWeight.dequantize()`.T on real quantized weights (`engines.checkpoints.quantize`), run on the CPU under the
+Triton interpreter; each check is shown to catch a deliberately broken kernel."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 import triton_support  # before the kernel modules: it sets TRITON_INTERPRET before they are decorated
 
-from engines import triton_matmul
-from engines.quantize import QuantizedWeight, outlier_channels, quantize_int4, quantize_int8
+from engines.checkpoints.quantize import QuantizedWeight, outlier_channels, quantize_int4, quantize_int8
+from engines.kernels import triton_matmul
 
 TOLERANCE = {  # (rtol, atol): fp32 sums in another order; fp16 rounds x·w's inputs and the output
     torch.float32: (1e-5, 1e-5),
@@ -157,5 +157,5 @@ def test_kernels_compile_for_the_gpu(tmp_path: Path) -> None:
     for block_m, bias in ((16, False), (64, True)):
         consts = {"HAS_BIAS": bias, "DOT_PRECISION": "tf32", "BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 64}
         cases += [("_int8_matmul_kernel", int8, consts), ("_int4_matmul_kernel", int4, consts)]
-    ptx = triton_support.compile_for_h100("engines.triton_matmul", cases, tmp_path)
+    ptx = triton_support.compile_for_h100("engines.kernels.triton_matmul", cases, tmp_path)
     assert all("mma" in p for p in ptx), "a weight-only matmul did not lower to tensor-core MMAs"

@@ -1,4 +1,4 @@
-"""The fused-MoE Triton kernels (`engines.triton_moe`) under the interpreter, against `SparseMoE.forward`.
+"""The fused-MoE Triton kernels (`engines.kernels.triton_moe`) under the interpreter, against `SparseMoE.forward`.
 
 Tiny shapes (H 32, I 16/24, E 4, k 2) keep the interpreter fast; T = 1 leaves experts unused (no tiles for
 them), T = 40 gives an expert several tiles, I = 24 leaves a partial K tile in the down GEMM. Each kernel
@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines import triton_moe
-from engines.model_config import ModelConfig
+from engines.checkpoints.quantize import quantize
+from engines.kernels import triton_moe
+from engines.models.config import ModelConfig
 from engines.models.moe import SparseMoE
-from engines.quantize import quantize
 
 H, E, K = 32, 4, 2
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3}
@@ -204,5 +204,5 @@ def test_kernels_compile_for_the_gpu(tmp_path: Path) -> None:
         ("_grouped_gemm_kernel", gemm, {"ROWS_PER_A": 1, "APPLY_SCALE": True} | tiles),
         ("_silu_mul_kernel", {"gate_up_ptr": "*bf16", "out_ptr": "*bf16"}, {"BLOCK": 1024}),
     ]
-    ptx = triton_support.compile_for_h100("engines.triton_moe", cases, tmp_path)
+    ptx = triton_support.compile_for_h100("engines.kernels.triton_moe", cases, tmp_path)
     assert all("mma" in p for p in ptx[:2]), "the grouped GEMM did not lower to tensor-core MMAs"

@@ -1,4 +1,4 @@
-"""The Triton fused residual add + RMSNorm (`engines.triton_norm`) against `RMSNorm.add_norm`'s torch form,
+"""The Triton fused residual add + RMSNorm (`engines.kernels.triton_norm`) against `RMSNorm.add_norm`'s torch form,
 run on the CPU under the Triton interpreter; each check is shown to catch a deliberately broken kernel."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 import triton_support  # before the kernel modules: it sets TRITON_INTERPRET before they are decorated
 
-from engines import triton_norm
-from engines.backends import TorchBackend
+from engines.kernels import triton_norm
+from engines.kernels.backends import TorchBackend
 
 TOLERANCE = {  # (rtol, atol): the sum of squares runs in another order; the norm is rounded to the dtype
     torch.float32: (1e-5, 1e-6),
@@ -102,5 +102,5 @@ def test_kernel_compiles_for_the_gpu(tmp_path: Path) -> None:
     and without the residual; the variance is a reduction across the warps, not one thread's loop."""
     types = dict.fromkeys(["x_ptr", "res_ptr", "w_ptr", "out_ptr"], "*bf16") | {"eps": "fp32"}
     cases = [("_add_rms_norm_kernel", types, {"HAS_RESIDUAL": r, "BLOCK": 2048}) for r in (True, False)]
-    ptx = triton_support.compile_for_h100("engines.triton_norm", cases, tmp_path)
+    ptx = triton_support.compile_for_h100("engines.kernels.triton_norm", cases, tmp_path)
     assert all("shfl.sync" in p and "rsqrt" in p for p in ptx)

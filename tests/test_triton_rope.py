@@ -1,4 +1,4 @@
-"""The Triton RoPE (`engines.triton_rope`) and the dense SiLU·mul against the torch reference backend, on the
+"""The Triton RoPE (`engines.kernels.triton_rope`) and the dense SiLU·mul against the torch reference backend, on the
 CPU under the Triton interpreter; each check is shown to catch a deliberately broken kernel."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 import torch
 import triton_support  # before the kernel modules: it sets TRITON_INTERPRET before they are decorated
 
-from engines import triton_moe, triton_rope
-from engines.backends import TorchBackend
-from engines.layers import RotaryEmbedding
+from engines.kernels import triton_moe, triton_rope
+from engines.kernels.backends import TorchBackend
+from engines.layers.blocks import RotaryEmbedding
 
 TOLERANCE = {torch.float32: (1e-6, 1e-6), torch.float16: (1e-3, 1e-3), torch.bfloat16: (1e-2, 1e-2)}
 
@@ -93,5 +93,5 @@ def test_kernel_compiles_for_the_gpu(tmp_path: Path) -> None:
     """The RoPE kernel lowers to sm_90 for bf16 at Qwen2.5-1.5B's heads (12 query, 2 key, 128 wide)."""
     types = dict.fromkeys(["q_ptr", "k_ptr", "cos_ptr", "sin_ptr"], "*bf16")
     cases = [("_rope_kernel", types, {"NUM_Q_HEADS": 12, "HALF": 64, "BLOCK": 64})]
-    (ptx,) = triton_support.compile_for_h100("engines.triton_rope", cases, tmp_path)
+    (ptx,) = triton_support.compile_for_h100("engines.kernels.triton_rope", cases, tmp_path)
     assert "cvt.rn.bf16.f32" in ptx  # rounded once, to nearest, from the fp32 products

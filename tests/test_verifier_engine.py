@@ -12,7 +12,7 @@ import torch
 from engines.engine import Engine, EngineConfig
 from engines.request import EngineRequest, FinishReason, RequestOutput
 from engines.sampling import SamplingParams
-from engines.speculator import SpeculativeConfig
+from engines.speculative.speculator import SpeculativeConfig
 from verifiers.base import Action, Context, Trace, TraceVerifier, Verdict
 from verifiers.degeneration import Degeneration
 from verifiers.hook import VerifierHook

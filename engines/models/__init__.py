@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from engines.model_config import ModelConfig
+from engines.models.config import ModelConfig
 from engines.models.llama import LlamaForCausalLM
 from engines.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM
 from engines.models.qwen2 import Qwen2ForCausalLM

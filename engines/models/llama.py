@@ -1,7 +1,7 @@
 """The Llama decoder (SmolLM2 and friends): RMSNorm, RoPE, grouped-query attention, SwiGLU.
 
 Tensors are flat over tokens, (num_tokens, ...), so one forward can later carry many sequences. The
-attention step itself lives in `engines.attention`, behind a backend, so paged and Triton variants can
+attention step itself lives in `engines.layers.attention`, behind a backend, so paged and Triton variants can
 replace it without touching the model.
 """
 
@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engines.attention import AttentionBackend, AttentionMetadata
-from engines.layers import RMSNorm, RotaryEmbedding, SwiGLU, rotate
-from engines.linear import Embedding, Linear
-from engines.model_config import ModelConfig
+from engines.layers.attention import AttentionBackend, AttentionMetadata
+from engines.layers.blocks import RMSNorm, RotaryEmbedding, SwiGLU, rotate
+from engines.layers.linear import Embedding, Linear
+from engines.models.config import ModelConfig
 
 
 class SelfAttention(nn.Module):

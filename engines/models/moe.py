@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engines.backends import backend_for
-from engines.layers import SwiGLU
-from engines.linear import Linear
-from engines.model_config import ModelConfig
+from engines.kernels.backends import backend_for
+from engines.layers.blocks import SwiGLU
+from engines.layers.linear import Linear
+from engines.models.config import ModelConfig
 from engines.models.llama import LlamaForCausalLM
 
 

@@ -6,7 +6,7 @@ Qwen2.5 checkpoint we serve, so `ModelConfig` refuses configs that turn it on.
 
 from __future__ import annotations
 
-from engines.model_config import ModelConfig
+from engines.models.config import ModelConfig
 from engines.models.llama import LlamaForCausalLM
 
 

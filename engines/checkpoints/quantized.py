@@ -1,0 +1,304 @@
+"""Quantized checkpoints: safetensors of int8/int4 codes plus `quantization.json`, from a bf16 model or
+straight from a GGUF file's blocks, and loaded without ever holding the float weights.
+
+State names follow our modules (`layers.0.self_attn.qkv_proj`, fused): a quantized module stores
+`NAME.q`, `NAME.scales` and, for int4, `NAME.zeros`; everything else (norms, biases) is a plain tensor
+under its parameter name. Embeddings and the output head are int8 rows: the head is read every step
+(a third of Qwen 1.5B's bytes) and int8 keeps its logits within ~0.1% perplexity, while quantizing it
+to int4 ourselves would not be worth the risk. The exception is a GGUF whose table is already 4-bit
+(Qwen's Q4_K_M token_embd): under int4 its own codes are kept, which is exactly the file's table and
+a third fewer bytes per step than int8. A tied embedding shares the head's codes.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from engines.checkpoints.quantize import (
+    QuantizedWeight,
+    can_int4,
+    concat_rows,
+    outlier_channels,
+    quantize,
+    quantize_int8,
+)
+from engines.models.config import ModelConfig, UnsupportedModelError
+
+QUANT_CONFIG = "quantization.json"
+MARKER = "switchboard-source.json"  # engines.checkpoints.fetch's: which registry file a directory came from
+
+State = dict[str, "QuantizedWeight | torch.Tensor"]
+
+
+def is_quantized_dir(model_dir: Path) -> bool:
+    return (Path(model_dir) / QUANT_CONFIG).is_file()
+
+
+def calibration_ids(tokenizer: object, limit: int = 1024) -> list[int]:
+    """Token ids of the shipped calibration text (prose, chat, code, maths; not the evaluation text)."""
+    text = (Path(__file__).parent / "data" / "calibration.txt").read_text()
+    return tokenizer.encode(text)[:limit]  # type: ignore[attr-defined]
+
+
+@torch.inference_mode()
+def activation_absmax(model: torch.nn.Module, ids: list[int]) -> dict[str, torch.Tensor]:
+    """Largest |input| per channel of every linear layer over one forward pass of `ids`."""
+    from engines.kv.cache import PagedKVCache
+    from engines.layers.attention import AttentionMetadata, TorchPagedAttention
+    from engines.layers.linear import Linear, _mkldnn_bf16
+
+    cfg = model.config
+    blocks = -(-len(ids) // 16)
+    cache = PagedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, blocks, 16, model.dtype)
+    cache.buffer.zero_()
+    meta = AttentionMetadata.build(16, [list(range(blocks))], [0], [len(ids)])
+    found: dict[str, torch.Tensor] = {}
+
+    def hook(name: str):  # noqa: ANN202
+        def record(_: torch.nn.Module, inputs: tuple[torch.Tensor, ...], __: torch.Tensor) -> None:
+            found[name] = inputs[0].float().abs().amax(dim=0)
+
+        return record
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if isinstance(m, Linear)]
+    dtype = model.dtype
+    # Without AVX-512, torch's bf16 matmuls crawl (~4 GFLOP/s: 140 s for Qwen 1.5B); fp32 copies of
+    # the weights run the pass ~20x faster, and bf16 -> fp32 -> bf16 gives back the same weights. (A
+    # model that is quantized already runs our kernels, and keeps its dtype.)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    upcast = dtype == torch.bfloat16 and not _mkldnn_bf16() and all(m.kernel is None for m in linears)
+    try:
+        if upcast:
+            model.to(torch.float32)
+            cache = PagedKVCache(
+                cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, blocks, 16, torch.float32
+            )
+            cache.buffer.zero_()
+        if model.rope.cos.numel() == 0 or upcast:
+            model.rope.build(model.dtype)
+        hidden = model(torch.tensor(ids), torch.arange(len(ids)), TorchPagedAttention(cache), meta)
+        model.lm_head(hidden)
+    finally:
+        for h in handles:
+            h.remove()
+        if upcast:
+            model.to(dtype)
+            model.rope.build(dtype)
+    return found
+
+
+def quantized_state(model: torch.nn.Module, fmt: str, calibration: list[int] | None = None) -> State:
+    """Quantize a loaded float model (before `prepare`): every linear to `fmt` where the int4 kernel
+    takes its shape (else int8), embeddings and head to int8 rows. With `calibration` token ids, int8
+    layers get their outlier input channels so they can run int8×int8 (`engines.layers.linear.Int8Kernel`)."""
+    from engines.layers.linear import Embedding, Linear
+
+    absmax = activation_absmax(model, calibration) if calibration else {}
+    state: State = {}
+    tied = model.config.tie_word_embeddings
+    quantized = set()
+    for name, module in model.named_modules():
+        router = name.endswith((".mlp.gate", ".shared_expert_gate"))  # tiny, and decides every route
+        if isinstance(module, Linear) and not (name == "lm_head" and tied) and not router:
+            state[name] = _quantize_linear(module.weight.detach(), fmt, name, absmax.get(name))
+            quantized.add(f"{name}.weight")
+        elif isinstance(module, Embedding):
+            head = absmax.get("lm_head") if tied else None  # the tied table is the head's weight
+            state[name] = _quantize_linear(module.weight.detach(), "int8", "lm_head", head)
+            quantized.add(f"{name}.weight")
+    for name, param in model.named_parameters():
+        if name not in quantized:  # norms and biases stay as they are
+            state[name] = param.detach().clone()
+    return state
+
+
+def _quantize_linear(w: torch.Tensor, fmt: str, name: str, absmax: torch.Tensor | None) -> QuantizedWeight:
+    if fmt == "int4" and name != "lm_head" and can_int4(*w.shape):
+        return quantize(w, "int4")
+    return quantize_int8(w, None if absmax is None else outlier_channels(absmax))
+
+
+def save_state(state: State, out_dir: Path, *, fmt: str, source: str, copy_from: Path) -> None:
+    """Write `state` as `model.safetensors` + `quantization.json`; config and tokenizer from `copy_from`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    modules: dict[str, dict] = {}
+    for name, value in state.items():
+        if isinstance(value, QuantizedWeight):
+            tensors[f"{name}.q"] = value.q.contiguous()
+            tensors[f"{name}.scales"] = value.scales.float().contiguous()
+            for part in ("zeros", "outliers"):
+                if (extra := getattr(value, part)) is not None:
+                    tensors[f"{name}.{part}"] = extra.contiguous()
+            modules[name] = {"format": value.format, "group_size": value.group_size}
+        else:
+            tensors[name] = value.contiguous()
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "switchboard-quantized"})
+    for file in Path(copy_from).iterdir():  # config, generation config, tokenizer, chat template
+        if file.is_file() and file.suffix != ".safetensors" and file.name not in (MARKER, QUANT_CONFIG):
+            shutil.copy2(file, out_dir / file.name)
+    config = {"weights": fmt, "source": source, "modules": modules}
+    (out_dir / QUANT_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """A copy when misaligned: safetensors places tensors at any byte offset, and torch's packed int8
+    kernel crashes (SIGSEGV) on weights that do not start on a 64-byte boundary."""
+    return t if t.data_ptr() % 64 == 0 else t.clone()
+
+
+def load_state(model_dir: Path) -> tuple[dict, State]:
+    config = json.loads((Path(model_dir) / QUANT_CONFIG).read_text())
+    state: State = {}
+    with safe_open(str(Path(model_dir) / "model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+        for name, spec in config["modules"].items():
+            zeros, outliers = (f.get_tensor(k) if k in keys else None for k in (f"{name}.zeros", f"{name}.outliers"))
+            state[name] = QuantizedWeight(
+                spec["format"],
+                _aligned(f.get_tensor(f"{name}.q")),
+                f.get_tensor(f"{name}.scales"),
+                zeros,
+                spec["group_size"],
+                outliers,
+            )
+            keys -= {f"{name}.q", f"{name}.scales", f"{name}.zeros", f"{name}.outliers"}
+        for key in keys:
+            state[key] = f.get_tensor(key)
+    return config, state
+
+
+def state_from_gguf(gguf_path: Path, cfg: ModelConfig, fmt: str, *, progress: bool = True) -> State:
+    """Our state straight from GGUF blocks: 4-bit blocks keep their codes (`engines.checkpoints.gguf_quant`)."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    from engines.checkpoints.gguf_convert import hf_name, unpermute_rope
+    from engines.checkpoints.gguf_quant import FOUR_BIT, target_format, to_quantized
+    from engines.checkpoints.loader import fused_name
+
+    reader = GGUFReader(gguf_path)
+    arch = reader.fields["general.architecture"].contents()
+    heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
+    shards: dict[str, dict[int, tuple]] = {}
+    biases: dict[str, dict[int, torch.Tensor]] = {}
+    state: State = {}
+    for t in reader.tensors:
+        ours, shard = fused_name(hf_name(t.name).removeprefix("model."))
+        shape = tuple(int(d) for d in reversed(t.shape))
+        role = t.name.split(".")[-2]
+        perm = None
+        if arch == "llama" and role in heads:  # llama.cpp interleaves q/k rows for its RoPE
+            perm = torch.from_numpy(unpermute_rope(np.arange(shape[0]), heads[role]).copy())
+        if len(shape) == 2 and ours.endswith(".weight") and "embed" not in ours and ours != "lm_head.weight":
+            shards.setdefault(ours.removesuffix(".weight"), {})[shard] = (t, shape, perm)
+        elif ours in ("embed_tokens.weight", "lm_head.weight"):
+            if fmt == "int4" and t.tensor_type in FOUR_BIT and can_int4(*shape):
+                # Already 4-bit in the file: its codes, exactly (int8 would only re-grid the same values).
+                state[ours.removesuffix(".weight")] = to_quantized(t.data, t.tensor_type, shape, "int4")
+                continue
+            w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape))
+            state[ours.removesuffix(".weight")] = quantize_int8(w)
+        else:
+            value = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape))
+            if perm is not None:
+                value = value[perm]
+            if ours.endswith(".bias"):
+                biases.setdefault(ours, {})[shard] = value
+            else:
+                state[ours] = value.to(torch.bfloat16)
+    for name, parts in biases.items():
+        state[name] = torch.cat([parts[i] for i in sorted(parts)]).to(torch.bfloat16)
+    for name, parts in tqdm(shards.items(), desc=f"quantizing {gguf_path.name}", unit="linear", disable=not progress):
+        ordered = [parts[i] for i in sorted(parts)]
+        kinds = [(t.tensor_type, shape[0] * shape[1]) for t, shape, _ in ordered]
+        layer_fmt = target_format(kinds, fmt)
+        if layer_fmt == "int4" and not all(can_int4(*shape) for _, shape, _ in ordered):
+            layer_fmt = "int8"
+        qws = []
+        for t, shape, perm in ordered:
+            qw = to_quantized(t.data, t.tensor_type, shape, layer_fmt)
+            qws.append(qw if perm is None else qw.rows(perm))
+        state[name] = concat_rows(qws)
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head", None)
+    return state
+
+
+def calibrate_int8(state: State, model_dir: Path) -> None:
+    """Find the outlier channels of a state's int8 layers by running the quantized model itself (for a
+    GGUF source there is no float model; the activations differ from it only by quantization noise)."""
+    from engines.checkpoints.loader import _build, apply_state
+    from engines.tokenizer import Tokenizer
+
+    cfg = ModelConfig.from_dir(model_dir)
+    names = {n for n, v in state.items() if isinstance(v, QuantizedWeight)}
+    model = _build(cfg, torch.bfloat16, names | ({"lm_head"} if cfg.tie_word_embeddings else set()))
+    apply_state(model, state)
+    absmax = activation_absmax(model, calibration_ids(Tokenizer(model_dir)))
+    for name, value in state.items():
+        layer = "lm_head" if name == "embed_tokens" and cfg.tie_word_embeddings else name
+        if isinstance(value, QuantizedWeight) and value.format == "int8" and layer in absmax:
+            value.outliers = outlier_channels(absmax[layer])
+
+
+def quantize_checkpoint(src: Path, out_dir: Path, fmt: str, *, gguf: Path | None = None, progress: bool = True) -> Path:
+    """`switchboard models quantize`: `src` is a converted HF directory; with `gguf`, its original file,
+    whose 4-bit blocks are kept. Written to a staging directory and renamed into place."""
+    from engines.checkpoints.loader import load_model
+    from engines.tokenizer import Tokenizer
+
+    if fmt not in ("int8", "int4"):
+        raise ValueError(f"weights must be int8 or int4, not {fmt!r}")
+    if is_quantized_dir(src):
+        raise UnsupportedModelError(f"{src} is already quantized")
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    try:
+        if gguf is not None:
+            state = state_from_gguf(gguf, ModelConfig.from_dir(src), fmt, progress=progress)
+            calibrate_int8(state, src)
+            source = f"gguf:{Path(gguf).name}"
+        else:
+            model = load_model(src, "bf16", prepare=False)
+            state = quantized_state(model, fmt, calibration_ids(Tokenizer(src)))
+            source = f"hf:{Path(src).name}"
+        save_state(state, staging, fmt=fmt, source=source, copy_from=src)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        staging.rename(out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out_dir
+
+
+def fetch_quantized(name: str, home: Path, fmt: str, *, progress: bool = True) -> Path:
+    """A registry model's quantized checkpoint, made once: int4 keeps the GGUF file's own 4-bit
+    blocks, int8 is quantized (and calibrated) from the converted bf16 weights. Idempotent."""
+    from engines.checkpoints.fetch import assemble_gguf, fetch_model, quantized_dir, registry_model
+
+    entry = registry_model(name)
+    out = quantized_dir(home, name, fmt)
+    marker = out / MARKER
+    try:
+        if json.loads(marker.read_text()).get("sha256") == entry.sha256 and is_quantized_dir(out):
+            return out
+    except (OSError, ValueError):
+        pass
+    hf_dir = fetch_model(name, home, progress=progress)
+    gguf = assemble_gguf(entry, Path(home) / "gguf", progress=progress) if fmt == "int4" else None
+    if progress:
+        print(f"{name}: quantizing to {fmt} at {out}", flush=True)
+    quantize_checkpoint(hf_dir, out, fmt, gguf=gguf, progress=progress)
+    marker.write_text(json.dumps({"name": name, "sha256": entry.sha256, "weights": fmt}, indent=2))
+    return out

@@ -1,0 +1,99 @@
+"""Fused decoder ops from our CPU library (`engines/kernels/csrc/cpu_ops.cpp`), each beside the torch code it
+replaces, which stays the reference and the fallback (`engines.layers.blocks` and `engines.layers.attention` pick).
+
+A decode step spent ~17 of its 60 ms (Qwen 1.5B, int4, 2 AVX2 cores) in ~60 small torch ops per layer
+and in bf16 attention matmuls, which AVX2 runs without hardware support. Norm, RoPE and SiLU·mul round
+where torch rounds, so they agree with it but for the last place of an exp or of a sum's order;
+attention is fp32 throughout and computes every query row alone, the same way in a decode step as in
+a prefill chunk, so outputs stay independent of batching, chunking and prefix-cache hits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engines.kernels.cpu_kernels import library
+
+_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def usable(x: torch.Tensor, width: int) -> bool:
+    """Whether the fused ops can take `x` (rows of `width` values): our library, a CPU float tensor."""
+    return x.device.type == "cpu" and x.dtype in _DTYPES and width % 8 == 0 and library() is not None
+
+
+def _bf16(x: torch.Tensor) -> int:
+    return int(x.dtype == torch.bfloat16)
+
+
+def add_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(r), r) with r = residual + x, the residual updated in place; without one, r = x."""
+    lib = library()
+    assert lib is not None
+    x = x.contiguous()
+    m, h = x.shape
+    if residual is not None:
+        assert residual.is_contiguous() and residual.dtype == x.dtype and residual.shape == x.shape
+    w = weight.detach().to(x.dtype).contiguous()
+    out = torch.empty_like(x)
+    res_ptr = None if residual is None else residual.data_ptr()
+    lib.sb_rms_norm(x.data_ptr(), res_ptr, w.data_ptr(), out.data_ptr(), m, h, eps, _bf16(x))
+    return out, (x if residual is None else residual)
+
+
+def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> None:
+    """Rotate q (T, q_heads·D) and k (T, k_heads·D) in place; both views of one buffer's rows (one stride).
+    cos/sin: (T, ..., D/2) rows of the tables for each token's position."""
+    lib = library()
+    assert lib is not None
+    t = q.shape[0]
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and (t <= 1 or q.stride(0) == k.stride(0))
+    cos, sin = cos.to(q.dtype).contiguous(), sin.to(q.dtype).contiguous()
+    lib.sb_rope(
+        q.data_ptr(), q.shape[1] // head_dim, k.data_ptr(), k.shape[1] // head_dim, q.stride(0),
+        cos.data_ptr(), sin.data_ptr(), t, head_dim, _bf16(q),
+    )  # fmt: skip
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) · up for rows [gate | up]."""
+    lib = library()
+    assert lib is not None
+    gate_up = gate_up.contiguous()
+    m, width = gate_up.shape
+    out = torch.empty(m, width // 2, dtype=gate_up.dtype)
+    lib.sb_silu_mul(gate_up.data_ptr(), out.data_ptr(), m, width // 2, _bf16(gate_up))
+    return out
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None,
+    tables: torch.Tensor,
+    row_table: torch.Tensor,
+    row_len: torch.Tensor,
+) -> torch.Tensor:
+    """q (T, H, D) (rows may be strided) over one layer's paged cache → (T, H, D).
+
+    k_cache, v_cache: (KVH, blocks, block_size, D), int8 with `scales` (each (KVH, blocks, block_size))
+    or in q's dtype; `tables` int32, all sequences' block ids; row t reads them from `row_table[t]` and
+    attends to its first `row_len[t]` positions."""
+    lib = library()
+    assert lib is not None
+    t, h, d = q.shape
+    kvh, blocks, bs, _ = k_cache.shape
+    assert q.stride(2) == 1 and q.stride(1) == d and k_cache.is_contiguous() and v_cache.is_contiguous()
+    out = torch.empty(t, h, d, dtype=q.dtype)
+    ks = vs = None
+    if scales is not None:
+        ks, vs = (s.to(q.dtype).contiguous() for s in scales)
+    lib.sb_paged_attention(
+        q.data_ptr(), q.stride(0), out.data_ptr(), t, h, kvh, d, k_cache.data_ptr(), v_cache.data_ptr(),
+        None if ks is None else ks.data_ptr(), None if vs is None else vs.data_ptr(), int(scales is not None),
+        blocks, bs, tables.data_ptr(), row_table.data_ptr(), row_len.data_ptr(), d**-0.5, _bf16(q),
+    )  # fmt: skip
+    return out

@@ -1,0 +1,538 @@
+"""Paged attention as Triton GPU kernels: the `AttentionBackend` for CUDA, same inputs as the torch one.
+
+Four kernels, each a small Triton program over the pool of `engines.kv.cache.PagedKVCache`:
+
+- `_store_kv_kernel` (`store_kv`): writes each new token's key and value vectors into their slots, one
+  program per (token, KV head), like vLLM's `reshape_and_cache`. With an int8 pool it quantizes the vector
+  in-kernel bit for bit like `engines.kv.cache.quantize`.
+- `_decode_split_kernel` + `_decode_merge_kernel` (`paged_decode`): split-KV decode in two stages, the
+  design of vLLM's `paged_attention_v2` and SGLang's two-stage `decode_attention`. Stage 1 runs one program
+  per (row, KV head, split): it holds every query head of that KV head's group (GQA: the group's query
+  rows share each key load and make one `tl.dot`, like SGLang's grouped decode kernel) and folds its share
+  of the row's context into a partial (output, log-sum-exp) in fp32. Stage 2 merges a row's splits by
+  log-sum-exp. Splits keep the GPU busy when a batch has few rows but long contexts.
+- `_extend_kernel` (`extend_attention`): the multi-token rows of prefill chunks and speculative
+  verification, like SGLang's `extend_attention`: one program per (span, KV head, tile of BLOCK_M query
+  tokens × the heads of the group) walks key blocks up to the tile's last position with an online softmax,
+  causal over the cached prefix plus the chunk itself (whose keys `store_kv` wrote first).
+
+Blocks are read through `engines.layers.attention.RowTables` (flat block tables, where each row's table starts,
+how many positions it sees): every length is read on the device, so the launch needs no host sync and the
+same static buffers serve CUDA-graph replay. Keys are gathered per token (`slot = block * block_size +
+offset`), so any block size works. With an int8 pool the int8 vectors are cast to the query dtype and
+their scales fold in like `engines.layers.attention._attend`: the key scale multiplies each score, the value
+scale each probability. Softmax runs in fp32; fp32 dots ask for IEEE precision (not TF32).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engines.kv.cache import PagedKVCache
+from engines.layers.attention import AttentionMetadata
+
+DECODE_SPLITS = 8  # stage-1 programs per (row, KV head); a power of two (stage 2 loads them as a vector)
+DECODE_BLOCK_N = 32  # keys per step in decode
+EXTEND_BLOCK_M = 16  # query tokens per extend tile (times the group's heads: the tile's rows)
+EXTEND_BLOCK_N = 32  # keys per step in extend
+
+
+# --- KV-cache write -------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _round_half_even(x: tl.tensor) -> tl.tensor:
+    """torch.round on fp32: to nearest, ties to even. (libdevice.rint does this on the GPU but not
+    under the interpreter; floor and an exact fractional part work on both.)"""
+    down = tl.floor(x)
+    frac = x - down  # exact for |x| >= 1 (Sterbenz); in (-1, 0) its rounding cannot cross 0.5
+    odd = (down - 2.0 * tl.floor(down * 0.5)) == 1.0
+    up = (frac > 0.5) | ((frac == 0.5) & odd)
+    return tl.where(up, down + 1.0, down)
+
+
+@triton.jit
+def _store_vector(src: tl.tensor, dst: tl.tensor, scale_dst: tl.tensor, QUANT: tl.constexpr) -> None:
+    """Copy one (token, KV head) vector into the pool; int8: as `engines.kv.cache.quantize` does."""
+    x = tl.load(src)
+    if QUANT:
+        xf = x.to(tl.float32)
+        # div_rn: IEEE division like torch (a plain `/` on fp32 may lower to an approximate divide).
+        scale = tl.math.div_rn(tl.max(tl.abs(xf), axis=0), 127.0).to(scale_dst.dtype.element_ty)
+        divisor = scale.to(tl.float32)  # the stored (rounded) scale, so q * scale tracks x
+        divisor = tl.where(divisor == 0.0, 1.0, divisor)
+        q = _round_half_even(tl.math.div_rn(xf, divisor))
+        q = tl.minimum(tl.maximum(q, -127.0), 127.0)
+        tl.store(scale_dst, scale)
+        tl.store(dst, q.to(tl.int8))
+    else:
+        tl.store(dst, x)
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr: tl.tensor,
+    v_ptr: tl.tensor,
+    slot_mapping: tl.tensor,
+    k_cache: tl.tensor,  # this layer's (kv_heads, blocks, block_size, dim) keys / values
+    v_cache: tl.tensor,
+    k_scales: tl.tensor,  # int8 only: this layer's (kv_heads, blocks, block_size) scales
+    v_scales: tl.tensor,
+    stride_kt: int,
+    stride_kh: int,
+    stride_vt: int,
+    stride_vh: int,
+    stride_ch: int,
+    stride_cs: int,
+    stride_sh: int,
+    HEAD_DIM: tl.constexpr,
+    QUANT: tl.constexpr,
+) -> None:
+    token = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)  # int64: offsets into a large pool can pass 2**31
+    slot = tl.load(slot_mapping + token).to(tl.int64)
+    offs = tl.arange(0, HEAD_DIM)
+    cache_offs = head * stride_ch + slot * stride_cs + offs
+    scale_offs = head * stride_sh + slot
+    src_k = k_ptr + token * stride_kt + head * stride_kh + offs
+    src_v = v_ptr + token * stride_vt + head * stride_vh + offs
+    _store_vector(src_k, k_cache + cache_offs, k_scales + scale_offs, QUANT)
+    _store_vector(src_v, v_cache + cache_offs, v_scales + scale_offs, QUANT)
+
+
+def store_kv(cache: PagedKVCache, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """`PagedKVCache.store` on the device: k/v (tokens, kv_heads, dim) into `slot_mapping`'s slots."""
+    tokens, kv_heads, dim = k.shape
+    if tokens == 0:
+        return
+    _check_head_dim(dim)
+    assert k.stride(2) == 1 and v.stride(2) == 1, "k/v need contiguous head_dim"
+    k_cache, v_cache = cache.layer(layer)
+    scales = cache.layer_scales(layer)
+    _check_layout(k_cache, v_cache, scales)
+    k_scales, v_scales = scales if scales is not None else (k_cache, v_cache)  # unused without QUANT
+    _store_kv_kernel[(tokens, kv_heads)](
+        k,
+        v,
+        slot_mapping,
+        k_cache,
+        v_cache,
+        k_scales,
+        v_scales,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(2),
+        k_scales.stride(0),
+        HEAD_DIM=dim,
+        QUANT=scales is not None,
+    )
+
+
+# --- Attention: one online-softmax step, shared by decode and extend -----------------------------------
+
+
+@triton.jit
+def _attend_block(
+    q: tl.tensor,  # (rows, HEAD_DIM) query rows, in the model dtype
+    acc: tl.tensor,  # (rows, HEAD_DIM) fp32 running sum of probability-weighted values
+    row_max: tl.tensor,  # (rows,) fp32 running max score
+    row_sum: tl.tensor,  # (rows,) fp32 running sum of exp(score - row_max)
+    slot: tl.tensor,  # (BLOCK_N,) int64 cache slots of this step's keys
+    key_ok: tl.tensor,  # (BLOCK_N,) slots that exist (loads are masked by it)
+    allowed: tl.tensor,  # (rows, BLOCK_N) which row sees which key
+    k_ptr: tl.tensor,  # this KV head's keys / values / their scales
+    v_ptr: tl.tensor,
+    ks_ptr: tl.tensor,
+    vs_ptr: tl.tensor,
+    stride_cs: int,
+    sm_scale: float,
+    HEAD_DIM: tl.constexpr,
+    QUANT: tl.constexpr,
+) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
+    """Fold one block of keys into (acc, row_max, row_sum). Every row must allow some key in its first
+    block, so `row_max` is finite from then on (a row with no allowed key in a later block gets exp(-inf) = 0 there)."""
+    offs = slot[:, None] * stride_cs + tl.arange(0, HEAD_DIM)[None, :]
+    k = tl.load(k_ptr + offs, mask=key_ok[:, None], other=0)
+    v = tl.load(v_ptr + offs, mask=key_ok[:, None], other=0)
+    # int8 keys cast to the query dtype exactly (|x| <= 127); the scales apply to scores/probabilities.
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
+    if QUANT:
+        s = s * tl.load(ks_ptr + slot, mask=key_ok, other=0).to(tl.float32)[None, :]
+    s = tl.where(allowed, s * sm_scale, float("-inf"))
+    new_max = tl.maximum(row_max, tl.max(s, axis=1))
+    alpha = tl.exp(row_max - new_max)  # rescales what was summed under the old max
+    p = tl.exp(s - new_max[:, None])
+    row_sum = row_sum * alpha + tl.sum(p, axis=1)
+    if QUANT:
+        p = p * tl.load(vs_ptr + slot, mask=key_ok, other=0).to(tl.float32)[None, :]
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
+    return acc, new_max, row_sum
+
+
+# --- Decode: split-KV, two stages ----------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr: tl.tensor,
+    k_cache: tl.tensor,
+    v_cache: tl.tensor,
+    k_scales: tl.tensor,
+    v_scales: tl.tensor,
+    tables: tl.tensor,
+    row_table: tl.tensor,
+    row_len: tl.tensor,
+    part_out: tl.tensor,  # (rows, heads, NUM_SPLITS, HEAD_DIM) fp32: each split's normalized output
+    part_lse: tl.tensor,  # (rows, heads, NUM_SPLITS) fp32: each split's log-sum-exp (-inf if empty)
+    sm_scale: float,
+    num_heads: int,
+    stride_qr: int,
+    stride_qh: int,
+    stride_ch: int,
+    stride_cs: int,
+    stride_sh: int,
+    GROUP: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    QUANT: tl.constexpr,
+) -> None:
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1).to(tl.int64)  # int64: offsets into a large pool can pass 2**31
+    split = tl.program_id(2)
+    # Each row's split length comes from its own length, on the device: no host sync, graph-replayable.
+    length = tl.load(row_len + row)
+    table = tables + tl.load(row_table + row)
+    per_split = tl.cdiv(length, NUM_SPLITS)
+    start = split * per_split
+    end = tl.minimum(start + per_split, length)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, HEAD_DIM)
+    head_ok = offs_h < GROUP
+    heads = kv_head * GROUP + offs_h  # GQA: query head h reads KV head h // GROUP
+    q = tl.load(q_ptr + row * stride_qr + heads[:, None] * stride_qh + offs_d[None, :], mask=head_ok[:, None], other=0)
+
+    acc = tl.zeros((BLOCK_H, HEAD_DIM), dtype=tl.float32)
+    row_max = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+    row_sum = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for first in range(start, end, BLOCK_N):
+        pos = first + tl.arange(0, BLOCK_N)
+        key_ok = pos < end
+        block = tl.load(table + pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+        slot = block * BLOCK_SIZE + pos % BLOCK_SIZE
+        acc, row_max, row_sum = _attend_block(
+            q,
+            acc,
+            row_max,
+            row_sum,
+            slot,
+            key_ok,
+            key_ok[None, :],
+            k_cache + kv_head * stride_ch,
+            v_cache + kv_head * stride_ch,
+            k_scales + kv_head * stride_sh,
+            v_scales + kv_head * stride_sh,
+            stride_cs,
+            sm_scale,
+            HEAD_DIM,
+            QUANT,
+        )
+    # An empty split (short row) leaves row_sum = 0: it stores output 0 and lse -inf, which stage 2 weighs 0.
+    index = (row * num_heads + heads) * NUM_SPLITS + split
+    out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
+    tl.store(part_out + index[:, None] * HEAD_DIM + offs_d[None, :], out, mask=head_ok[:, None])
+    tl.store(part_lse + index, row_max + tl.log(row_sum), mask=head_ok)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_out: tl.tensor,
+    part_lse: tl.tensor,
+    out_ptr: tl.tensor,
+    num_heads: int,
+    stride_or: int,
+    stride_oh: int,
+    NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+) -> None:
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, HEAD_DIM)
+    index = (row * num_heads + head) * NUM_SPLITS + offs_s
+    lse = tl.load(part_lse + index)
+    parts = tl.load(part_out + index[:, None] * HEAD_DIM + offs_d[None, :])
+    # Split 0 is never empty (row_len >= 1), so the max is finite and empty splits weigh exp(-inf) = 0.
+    weight = tl.exp(lse - tl.max(lse, axis=0))
+    out = tl.sum(parts * weight[:, None], axis=0) / tl.sum(weight, axis=0)
+    tl.store(out_ptr + row * stride_or + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    row_table: torch.Tensor,
+    row_len: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out: torch.Tensor | None = None,
+    num_splits: int = DECODE_SPLITS,
+) -> torch.Tensor:
+    """One query token per row: q (rows, heads, dim) over its row's context → (rows, heads, dim).
+
+    k/v_cache (kv_heads, blocks, block_size, dim) as `PagedKVCache.layer` returns them; `tables`,
+    `row_table`, `row_len` as in `RowTables` (int32, row_len >= 1); `scales` for an int8 pool, each
+    (kv_heads, blocks, block_size). Writes into `out` if given (any strides, head_dim contiguous)."""
+    rows, heads, dim = q.shape
+    kv_heads, _, block_size, _ = k_cache.shape
+    out = torch.empty_like(q) if out is None else out
+    if rows == 0:
+        return out
+    _check_queries(q, k_cache)
+    _check_layout(k_cache, v_cache, scales)
+    assert num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
+    part_out = torch.empty(rows, heads, num_splits, dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(rows, heads, num_splits, dtype=torch.float32, device=q.device)
+    group = heads // kv_heads
+    k_scales, v_scales = scales if scales is not None else (k_cache, v_cache)  # unused without QUANT
+    _decode_split_kernel[(rows, kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        k_scales,
+        v_scales,
+        tables,
+        row_table,
+        row_len,
+        part_out,
+        part_lse,
+        dim**-0.5,
+        heads,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(2),
+        k_scales.stride(0),
+        GROUP=group,
+        BLOCK_SIZE=block_size,
+        NUM_SPLITS=num_splits,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),  # a tensor-core-sized tile of query heads
+        BLOCK_N=DECODE_BLOCK_N,
+        HEAD_DIM=dim,
+        QUANT=scales is not None,
+    )
+    _decode_merge_kernel[(rows, heads)](
+        part_out, part_lse, out, heads, out.stride(0), out.stride(1), NUM_SPLITS=num_splits, HEAD_DIM=dim
+    )
+    return out
+
+
+# --- Extend: causal chunks over the paged prefix -------------------------------------------------------
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    k_cache: tl.tensor,
+    v_cache: tl.tensor,
+    k_scales: tl.tensor,
+    v_scales: tl.tensor,
+    tables: tl.tensor,
+    row_table: tl.tensor,
+    span_start: tl.tensor,  # (spans,) int32: the span's first row in q
+    span_new: tl.tensor,  # (spans,) int32: its query tokens
+    span_computed: tl.tensor,  # (spans,) int32: positions cached before it (its first position)
+    sm_scale: float,
+    stride_qr: int,
+    stride_qh: int,
+    stride_or: int,
+    stride_oh: int,
+    stride_ch: int,
+    stride_cs: int,
+    stride_sh: int,
+    GROUP: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    QUANT: tl.constexpr,
+) -> None:
+    span = tl.program_id(0)
+    kv_head = tl.program_id(1).to(tl.int64)  # int64: offsets into a large pool can pass 2**31
+    tile = tl.program_id(2)
+    num_new = tl.load(span_new + span)
+    if tile * BLOCK_M >= num_new:  # the grid is sized for the longest span
+        return
+    first_row = tl.load(span_start + span)
+    done = tl.load(span_computed + span)
+    table = tables + tl.load(row_table + first_row)
+
+    # The tile's rows: BLOCK_M tokens × BLOCK_G heads of this KV head's group, token-major.
+    offs_r = tl.arange(0, BLOCK_M * BLOCK_G)
+    token = tile * BLOCK_M + offs_r // BLOCK_G
+    g = offs_r % BLOCK_G
+    row_ok = (token < num_new) & (g < GROUP)
+    offs_d = tl.arange(0, HEAD_DIM)
+    rows = first_row + token
+    heads = kv_head * GROUP + g
+    q = tl.load(
+        q_ptr + rows[:, None] * stride_qr + heads[:, None] * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0
+    )
+    # Padding rows (past the span) get a position at the tile's end: they see every key, never none.
+    q_pos = done + token
+    end = done + tl.minimum((tile + 1) * BLOCK_M, num_new)  # keys [0, end): up to the tile's last position
+
+    acc = tl.zeros((BLOCK_M * BLOCK_G, HEAD_DIM), dtype=tl.float32)
+    row_max = tl.full((BLOCK_M * BLOCK_G,), float("-inf"), dtype=tl.float32)
+    row_sum = tl.zeros((BLOCK_M * BLOCK_G,), dtype=tl.float32)
+    for first in range(0, end, BLOCK_N):
+        pos = first + tl.arange(0, BLOCK_N)
+        key_ok = pos < end
+        block = tl.load(table + pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+        slot = block * BLOCK_SIZE + pos % BLOCK_SIZE
+        causal = (pos[None, :] <= q_pos[:, None]) & key_ok[None, :]
+        acc, row_max, row_sum = _attend_block(
+            q,
+            acc,
+            row_max,
+            row_sum,
+            slot,
+            key_ok,
+            causal,
+            k_cache + kv_head * stride_ch,
+            v_cache + kv_head * stride_ch,
+            k_scales + kv_head * stride_sh,
+            v_scales + kv_head * stride_sh,
+            stride_cs,
+            sm_scale,
+            HEAD_DIM,
+            QUANT,
+        )
+    out = acc / row_sum[:, None]
+    out_ptrs = out_ptr + rows[:, None] * stride_or + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    row_table: torch.Tensor,
+    span_start: torch.Tensor,
+    span_new: torch.Tensor,
+    span_computed: torch.Tensor,
+    max_new: int,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Multi-token spans: rows [span_start[i], span_start[i] + span_new[i]) of q (tokens, heads, dim) are
+    positions span_computed[i]... of one sequence, attending causally over its cached context (their own
+    keys already stored). `tables`/`row_table` as in `RowTables` (a span reads its first row's table);
+    span_* int32 on q's device; `max_new` bounds span_new (sizes the grid without a sync). Rows outside
+    the spans are left as they are in `out`."""
+    heads, dim = q.shape[1:]
+    kv_heads, _, block_size, _ = k_cache.shape
+    out = torch.empty_like(q) if out is None else out
+    if span_start.numel() == 0 or max_new == 0:
+        return out
+    _check_queries(q, k_cache)
+    _check_layout(k_cache, v_cache, scales)
+    group = heads // kv_heads
+    k_scales, v_scales = scales if scales is not None else (k_cache, v_cache)  # unused without QUANT
+    grid = (span_start.numel(), kv_heads, triton.cdiv(max_new, EXTEND_BLOCK_M))
+    _extend_kernel[grid](
+        q,
+        out,
+        k_cache,
+        v_cache,
+        k_scales,
+        v_scales,
+        tables,
+        row_table,
+        span_start,
+        span_new,
+        span_computed,
+        dim**-0.5,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(2),
+        k_scales.stride(0),
+        GROUP=group,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=EXTEND_BLOCK_M,
+        BLOCK_G=triton.next_power_of_2(group),
+        BLOCK_N=EXTEND_BLOCK_N,
+        HEAD_DIM=dim,
+        QUANT=scales is not None,
+    )
+    return out
+
+
+def _check_head_dim(dim: int) -> None:
+    assert dim >= 16 and dim & (dim - 1) == 0, f"head_dim {dim} must be a power of two >= 16 (tl.arange, tl.dot)"
+
+
+def _check_queries(q: torch.Tensor, k_cache: torch.Tensor) -> None:
+    _check_head_dim(q.shape[-1])
+    assert q.stride(-1) == 1, "q needs contiguous head_dim"
+    assert q.shape[1] % k_cache.shape[0] == 0, "query heads must be a multiple of KV heads"
+
+
+def _check_layout(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None
+) -> None:
+    """The kernels address a slot as one stride over (blocks, block_size) and head_dim as contiguous."""
+    for cache in (k_cache, v_cache):
+        assert cache.stride(3) == 1 and cache.stride(1) == cache.shape[2] * cache.stride(2), "unexpected cache layout"
+    assert k_cache.stride() == v_cache.stride()
+    if scales is not None:
+        for s in scales:
+            assert s.stride(2) == 1 and s.stride(1) == s.shape[2] and s.stride() == scales[0].stride()
+
+
+# --- The backend ---------------------------------------------------------------------------------------
+
+
+class TritonPagedAttention:
+    """`AttentionBackend` on Triton kernels: store the new keys/values, decode rows, then extend spans."""
+
+    def __init__(self, cache: PagedKVCache, num_splits: int = DECODE_SPLITS) -> None:
+        self.cache = cache
+        self.num_splits = num_splits
+
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """q (tokens, heads, dim), k/v (tokens, kv_heads, dim) → (tokens, heads, dim) in q's dtype."""
+        device = q.device
+        store_kv(self.cache, layer, meta.slot_mapping.to(device), k, v)
+        k_cache, v_cache = self.cache.layer(layer)
+        scales = self.cache.layer_scales(layer)
+        tables, row_table = meta.rows.tables.to(device), meta.rows.row_table.to(device)
+        out = torch.empty_like(q)
+        decode = meta.num_decode
+        if decode:
+            row_len = meta.rows.row_len[:decode].to(device)
+            paged_decode(
+                q[:decode], k_cache, v_cache, tables, row_table[:decode], row_len, scales, out[:decode], self.num_splits
+            )
+        if meta.extends:
+            start, new, computed = meta.extend_spans.to(device)
+            max_new = max(s.num_new for s in meta.extends)
+            extend_attention(q, k_cache, v_cache, tables, row_table, start, new, computed, max_new, scales, out)
+        return out
