@@ -10,12 +10,15 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 import services
-from engines.async_engine import AsyncEngine
-from live import LiveServer, serve_gateway
+
+if TYPE_CHECKING:  # the engine and the gateway load only for the tests that ask for them
+    from engines.async_engine import AsyncEngine
+    from live import LiveServer
 
 # Tests build their settings explicitly; nothing from the developer's shell or a switchboard.toml leaks in.
 for _name in list(os.environ):
@@ -121,6 +124,7 @@ def redis_namespace() -> Iterator[str]:
 @pytest.fixture(scope="session")
 def small_engine(smollm2_dir: Path) -> Iterator[AsyncEngine]:
     """SmolLM2-135M-Instruct in bf16 behind a running engine thread, shared by the API tests."""
+    from engines.async_engine import AsyncEngine
     from engines.engine import Engine
 
     engine = AsyncEngine(Engine.from_dir(smollm2_dir, dtype="bf16"), name="small")
@@ -134,6 +138,8 @@ def live_server(
     request: pytest.FixtureRequest, small_engine: AsyncEngine, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LiveServer]:
     """The gateway on a real port, serving SmolLM2 as `small`, on SQLite and on PostgreSQL."""
+    from live import serve_gateway
+
     home = tmp_path_factory.mktemp("home")
     if request.param == "sqlite":
         url, drop = f"sqlite:///{home / 'switchboard.db'}", None

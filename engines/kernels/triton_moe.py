@@ -22,7 +22,7 @@ Accumulation is fp32 everywhere; intermediates are stored in x's dtype, as vLLM 
 dots (not TF32) so results match torch's fp32 matmul closely.
 
 Production code imports this module only when CUDA is present (it imports triton at the top); the tests run it
-on the CPU under the Triton interpreter (`tests/triton_support.py`).
+on the CPU under the Triton interpreter (`tests/engines/kernels/triton_support.py`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One side of the KV tier's fresh-process test: load a model, run prompts greedily, print JSON.
 
-    python tests/kv_tier_worker.py '{"model_dir": ..., "redis_url": ..., "namespace": ...,
+    python tests/engines/kv_tier_worker.py '{"model_dir": ..., "redis_url": ..., "namespace": ...,
                                      "runs": [{"prompt": [ids], "tier": true}, ...]}'
 
 Each run gets a fresh engine (an empty KV pool and prefix cache) over the one loaded model; a run with

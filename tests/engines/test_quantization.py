@@ -58,7 +58,7 @@ def test_quantized_linear_matches_the_dequantized_reference(
     lin = layer(qw, dtype)
     assert (lin.kernel.native is not None) == native
     # Ours quantizes activations (int4 weights: 8 bits per 32 values, ~0.5%; int8 weights: 7 bits per
-    # 256, ~1.4%; exactness against emulations of that is tests/test_cpu_kernels.py). torch's are
+    # 256, ~1.4%; exactness against emulations of that is tests/engines/kernels/test_cpu_kernels.py). torch's are
     # weight-only: bf16 activations and scales round at ~0.4%, fp32 is exact up to summation order.
     bound = (2e-2 if fmt == "int8" else 1e-2) if native else (1e-2 if dtype == torch.bfloat16 else 1e-5)
     assert rel_error(lin(x), ref) < bound

@@ -1,7 +1,7 @@
 """Many clients at once through the official `openai` client: each gets its own answer, billed once.
 
 Whole texts are compared with the same requests served one at a time: the bf16 engine is batch
-invariant (tests/test_engine.py), so greedy answers must not change under load.
+invariant (tests/engines/test_engine.py), so greedy answers must not change under load.
 """
 
 from __future__ import annotations

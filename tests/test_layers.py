@@ -1,0 +1,95 @@
+"""The layer rule, checked on every import: module level and inside functions, `import x` and `from x import y`.
+
+Packages, bottom up: engines → core → grading → policies → router_model → verifiers → gateway. A package
+may import only packages below it; nothing outside `gateway/` and `tests/` imports `gateway`; no two
+packages import each other. Each check is shown to catch a planted violation.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = ("engines", "core", "grading", "policies", "router_model", "verifiers", "gateway")
+RANK = {name: i for i, name in enumerate(LAYERS)}
+
+
+def imported_modules(source: str, module: str, is_package: bool) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in `source`, wherever it sits."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolved against the importing module's package
+                base = module.split(".") if is_package else module.split(".")[:-1]
+                base = base[: len(base) - node.level + 1]
+                name = ".".join([*base, node.module] if node.module else base)
+            else:
+                name = node.module or ""
+            found.append((node.lineno, name))
+    return found
+
+
+def package_edges(root: Path = ROOT, extra: dict[str, str] | None = None) -> dict[tuple[str, str], list[str]]:
+    """(importing package, imported package) → where, for every import between two of our packages.
+    `extra` adds sources (path relative to root → text), as if those files existed."""
+    sources = {p.relative_to(root).as_posix(): p.read_text() for pkg in LAYERS for p in (root / pkg).rglob("*.py")}
+    sources |= extra or {}
+    edges: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for rel, text in sources.items():
+        parts = Path(rel).with_suffix("").parts
+        is_package = parts[-1] == "__init__"
+        module = ".".join(parts[:-1] if is_package else parts)
+        for line, name in imported_modules(text, module, is_package):
+            target = name.split(".")[0]
+            if target in RANK and target != parts[0]:
+                edges[(parts[0], target)].append(f"{rel}:{line} imports {name}")
+    return edges
+
+
+def violations(edges: dict[tuple[str, str], list[str]]) -> list[str]:
+    problems = []
+    for (src, dst), where in sorted(edges.items()):
+        if RANK[dst] > RANK[src]:
+            problems += [f"{w} (up: {src} is below {dst})" for w in where]
+        if (dst, src) in edges and src < dst:
+            problems.append(f"{src} and {dst} import each other: {where[0]}; {edges[(dst, src)][0]}")
+    return problems
+
+
+def test_every_package_is_a_layer() -> None:
+    on_disk = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"bench"}
+    assert on_disk == set(LAYERS), "a new top-level package needs its place in LAYERS"
+
+
+def test_imports_point_down_only() -> None:
+    assert violations(package_edges()) == []
+
+
+def test_nothing_below_the_gateway_imports_it() -> None:
+    edges = package_edges()
+    assert [w for (src, dst), where in edges.items() if dst == "gateway" for w in where] == []
+
+
+@pytest.mark.parametrize(
+    ("path", "source"),
+    [
+        ("policies/planted.py", "from gateway.errors import APIError\n"),  # up, at module level
+        ("engines/planted.py", "def f() -> None:\n    import core.settings\n"),  # up, inside a function
+        ("grading/planted.py", "from ..router_model import model\n"),  # up, relative
+    ],
+)
+def test_a_planted_upward_import_is_caught(path: str, source: str) -> None:
+    problems = violations(package_edges(extra={path: source}))
+    assert any(p.startswith(path) for p in problems), problems
+
+
+def test_a_cycle_between_packages_is_caught() -> None:
+    # verifiers → policies is allowed alone; policies → verifiers as well makes a cycle (and points up)
+    problems = violations(package_edges(extra={"policies/planted.py": "import verifiers.base\n"}))
+    assert any("import each other" in p for p in problems), problems
