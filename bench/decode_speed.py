@@ -1,6 +1,6 @@
 """Single-request decode speed and load time: our engine vs HF transformers, same process and threads.
 
-    OMP_NUM_THREADS=2 .venv/bin/python bench/decode_speed.py [--models ...] [--dtypes bf16 fp32]
+    OMP_NUM_THREADS=2 .venv/bin/python -m bench.decode_speed [--models ...] [--dtypes bf16 fp32]
 
 Decode tok/s = (new tokens - 1) / (time for N tokens - time for 1 token), greedy, end-of-turn ignored,
 median of --runs; the baseline runs in the same process, so the ratio is what to quote. With
@@ -60,7 +60,9 @@ def decode_rate(run: Callable[[int], float], n: int, runs: int) -> tuple[float, 
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.decode_speed", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument(
         "--models",
         nargs="+",

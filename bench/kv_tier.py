@@ -1,6 +1,6 @@
 """The Redis KV prefix tier: time to first token of a ~1,000-token system prompt in a fresh engine.
 
-    OMP_NUM_THREADS=2 .venv/bin/python bench/kv_tier.py [--redis redis://127.0.0.1:6379/0] [--repeats 3]
+    OMP_NUM_THREADS=2 .venv/bin/python -m bench.kv_tier [--redis redis://127.0.0.1:6379/0] [--repeats 3]
 
 Per model, in one process (the model loaded once, warmed up on another prompt): TTFT of the system
 prompt + a question in a fresh engine (empty KV pool and prefix cache) without the tier ("cold"), once
@@ -14,22 +14,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 import uuid
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from common import THREADS, say
-
+from bench import from_tests
+from bench.common import THREADS, say
 from engines.checkpoints.loader import load_model
 from engines.engine import Engine, EngineConfig
 from engines.kv.tier import KVTier, checkpoint_fingerprint
 from engines.request import EngineRequest
 from engines.sampling import SamplingParams
 from engines.tokenizer import Tokenizer
-from services import delete_namespace
 
 MODELS_HOME = Path("~/.cache/switchboard/models").expanduser()
 CASES = (  # (label, directory, KV cache dtype)
@@ -109,10 +105,11 @@ def measure(model_dir: Path, kv_cache_dtype: str, redis_url: str, namespace: str
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.kv_tier", description=__doc__.splitlines()[0])
     parser.add_argument("--redis", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    delete_namespace = from_tests("services").delete_namespace
     results = {}
     for label, name, kv_dtype in CASES:
         model_dir = MODELS_HOME / name

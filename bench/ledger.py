@@ -1,7 +1,7 @@
 """The ledger at scale: finance-report latency over a bulk-loaded ledger, and the request-path overhead of
 policy + budget + ledger against a no-op engine.
 
-    .venv/bin/python bench/ledger.py [--rows 100000] [--requests 2000]
+    .venv/bin/python -m bench.ledger [--rows 100000] [--requests 2000]
 
 Needs the PostgreSQL and Redis the tests use (tests/services.py: the local servers, or throwaway ones
 started from the installed binaries). No model runs and torch does no work, so no OMP_NUM_THREADS.
@@ -48,8 +48,10 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any, cast
 
+import anyio
 from sqlalchemy import func, insert, select, text
 
+from bench import from_tests
 from core.db.database import Database
 from core.db.models import Tenant, Usage, UsageDaily
 from core.settings import Settings, TierSettings
@@ -67,7 +69,6 @@ from policies.policy import Budget, Policy, RateLimits
 from policies.pricing import Tokens, charge
 from policies.store import DEFAULT, PolicyStore, Versioned
 
-ROOT = Path(__file__).resolve().parent.parent
 TIER_MODELS = {
     "small": ("qwen2.5-coder-0.5b-instruct", "smollm2-360m-instruct"),
     "large": ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-3b-instruct"),
@@ -79,14 +80,6 @@ COMPLETION = 64  # tokens the no-op engine "generates" per request
 
 def say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-def services() -> Any:
-    """tests/services.py: the PostgreSQL and Redis the test suite uses."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    import services as svc
-
-    return svc
 
 
 def pct(values: list[float], q: float) -> float:
@@ -358,10 +351,12 @@ class TimedBudgets(Budgets):
 class TimedLedger(Ledger):
     stages: Stages
 
-    def record(self, rec: UsageRecord) -> None:
+    def _commit(self, recs: list[UsageRecord]) -> list[BaseException | None]:
+        """The transaction in the writer's thread (`write` hops there); requests run one at a time, so
+        each batch is one request's row."""
         t0 = time.perf_counter()
         try:
-            super().record(rec)
+            return super()._commit(recs)
         finally:
             self.stages.add("ledger_write", time.perf_counter() - t0)
 
@@ -386,6 +381,9 @@ class NoBudgets:
 
 
 class NoLedger:
+    async def write(self, rec: UsageRecord) -> None:
+        await anyio.to_thread.run_sync(self.record, rec)  # the real ledger's hop to its writer thread
+
     def record(self, rec: UsageRecord) -> None:
         return None
 
@@ -484,6 +482,9 @@ async def request_path(pg: Database, sq: Database, redis_url: str, home: Path, n
                 say(f"  {i + 1}/{warmup + n} requests")
         return {"whole": whole, "stages": {name: run[1] for name, run in runs.items() if run[1] is not None}}
     finally:
+        for pipeline, stages, _ in runs.values():
+            if stages is not None:  # the real ledgers: stop their writer tasks
+                await pipeline.ledger.aclose()
         keys = [k async for k in redis.redis.scan_iter(f"{ns}:*")]
         if keys:
             await redis.redis.delete(*keys)
@@ -494,14 +495,14 @@ async def request_path(pg: Database, sq: Database, redis_url: str, home: Path, n
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.ledger", description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=100_000, help="synthetic usage rows")
     ap.add_argument("--reps", type=int, default=50, help="timed runs of each report")
     ap.add_argument("--requests", type=int, default=2000, help="timed requests per pipeline")
     ap.add_argument("--warmup", type=int, default=200, help="untimed requests per pipeline first")
     args = ap.parse_args()
 
-    svc = services()
+    svc = from_tests("services")  # the PostgreSQL and Redis the test suite uses
     url, drop = svc.create_database(svc.postgres_url())
     redis_url = svc.redis_url()
     db = Database(url)
@@ -545,6 +546,7 @@ def main() -> None:
         sq.dispose()
         drop()
         tmp.cleanup()
+        svc.stop_all()  # throwaway servers started for this run, if any
 
     print(f"\n## Ledger: {args.rows:,} usage rows, {TENANTS} tenants, {months[0]} to {month_end(months[-1])}\n")
     print(f"bulk insert {load_s:.1f} s ({args.rows / load_s:,.0f} rows/s); rebuild_rollup {rollup_s:.2f} s")

@@ -2,7 +2,7 @@
 
 One context, one `llama_batch` per step carrying N sequence ids, as llama.cpp's `batched` example does.
 
-    OMP_NUM_THREADS=2 .venv/bin/python bench/llamacpp_batched.py --gguf FILE --n 16 --tokens 64 --threads 2
+    OMP_NUM_THREADS=2 .venv/bin/python -m bench.llamacpp_batched --gguf FILE --n 16 --tokens 64 --threads 2
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def _high_level_greedy(gguf: Path, prompt: list[int], n: int, threads: int) -> l
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.llamacpp_batched", description=__doc__.splitlines()[0])
     parser.add_argument("--gguf", type=Path, required=True)
     parser.add_argument("--n", type=int, default=16, help="number of parallel sequences")
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per sequence")

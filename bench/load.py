@@ -1,6 +1,6 @@
 """Load on a live gateway: N concurrent clients, cache hits and engine streams; RPS, latency, TTFT, errors.
 
-    OMP_NUM_THREADS=2 .venv/bin/python bench/load.py [--mode hit|stream|both] [--concurrency 64]
+    OMP_NUM_THREADS=2 .venv/bin/python -m bench.load [--mode hit|stream|both] [--concurrency 64]
         [--duration 15] [--rate R] [--procs P] [--sqlite] [--url URL --key KEY]
 
 Without `--url` it starts its own gateway: a fresh PostgreSQL database (`tests/services.py`; `--sqlite` for
@@ -48,9 +48,9 @@ from typing import Any
 
 import httpx
 
+from bench import from_tests
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 HIT_BODY = {
     "model": "small",
@@ -336,12 +336,12 @@ def cpu_seconds(pid: int) -> float:
 
 
 def start_gateway(home: Path, sqlite: bool, log: Path, cprofile: Path | None = None) -> Gateway:
-    import services
     from core.db.database import Database
     from gateway.tenants import create_tenant
     from policies.policy import Budget, Policy, RateLimits
     from policies.store import PolicyStore
 
+    services = from_tests("services")
     cleanups: list[Callable[[], None]] = []
     tmp = tempfile.TemporaryDirectory(prefix="sb-bench-load-")
     cleanups.append(tmp.cleanup)
@@ -468,7 +468,9 @@ def report(args: argparse.Namespace, hit: HitResult | None, stream: StreamResult
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.load", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--url", help="a running gateway (default: start one)")
     p.add_argument("--key", help="an API key for --url")
     p.add_argument("--mode", choices=("hit", "stream", "both"), default="both")

@@ -1,6 +1,6 @@
 """Dense vs split-MoE large tier: active parameters, decode speed, perplexity and GSM8K accuracy.
 
-    OMP_NUM_THREADS=2 .venv/bin/python bench/moe.py [--experts 8 --shared 1792 --top-k 2 4]
+    OMP_NUM_THREADS=2 .venv/bin/python -m bench.moe [--experts 8 --shared 1792 --top-k 2 4]
 
 Builds (once, into the models cache) a MoE of Qwen2.5-Coder-1.5B by splitting each MLP into
 --experts experts plus --shared neurons every token runs (`switchboard models moe --method split`,
@@ -23,8 +23,7 @@ import os
 import time
 from pathlib import Path
 
-from common import mtbench_questions, say
-
+from bench.common import mtbench_questions, say
 from engines.checkpoints.fetch import fetch_model
 from engines.checkpoints.moe_build import build_moe
 from engines.checkpoints.quality import perplexity
@@ -77,7 +76,9 @@ def with_top_k(moe_dir: Path, k: int) -> Path:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.moe", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--shared", type=int, default=1792, help="neurons every token runs (of 8960)")
     p.add_argument("--top-k", type=int, nargs="+", default=[2, 4], help="experts per token to serve")

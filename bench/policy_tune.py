@@ -1,6 +1,6 @@
 """Policy tuning on GSM8K and MT-bench with the configured tiers (Qwen2.5-Coder 0.5B / 1.5B int8 by default).
 
-    OMP_NUM_THREADS=2 .venv/bin/python bench/policy_tune.py [--gsm8k 30] [--mtbench 30] [--max-tokens 384]
+    OMP_NUM_THREADS=2 .venv/bin/python -m bench.policy_tune [--gsm8k 30] [--mtbench 30] [--max-tokens 384]
 
 A tenant whose apps set no sampling parameters (the API's defaults: temperature 1, top-p 1, no
 instruction) runs on the small tier. Its prompts are a mix of GSM8K problems (graded by their final
@@ -25,12 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH))
-from common import THREADS, say  # noqa: E402  (also checks OMP_NUM_THREADS)
-
-# The project's packages before this folder: bench/verifiers.py would shadow the `verifiers` package.
-sys.path[:] = [str(BENCH.parent), *(p for p in sys.path if Path(p or ".").resolve() != BENCH)]
+from bench.common import THREADS, say  # also checks OMP_NUM_THREADS
 
 
 def _split(items: list, n: int, seed: int) -> tuple[list, list]:
@@ -50,7 +45,9 @@ async def _held_out(policy, prompts, engines, grade, max_tokens, tag):  # noqa: 
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.policy_tune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--gsm8k", type=int, default=30, help="GSM8K problems per split (tuning, held out)")
     p.add_argument("--mtbench", type=int, default=30, help="MT-bench questions per split (at most 40)")
     p.add_argument("--max-tokens", type=int, default=384, help="what each request asks for")

@@ -1,6 +1,6 @@
 """Quantized weights and KV: decode speed, quality and KV bytes, against llama.cpp on the original GGUF.
 
-    OMP_NUM_THREADS=2 .venv/bin/python bench/quant.py [--models smollm2-135m-instruct qwen2.5-coder-1.5b-instruct]
+    OMP_NUM_THREADS=2 .venv/bin/python -m bench.quant [--models smollm2-135m-instruct qwen2.5-coder-1.5b-instruct]
 
 For each model, in one process with the same threads:
   decode tok/s of our engine at batch 1 and 16 for bf16, int8 (calibrated) and int4 (the GGUF's own
@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 import torch
-from common import mtbench_questions, say
 
+from bench.common import mtbench_questions, say
 from engines.checkpoints.fetch import assemble_gguf, fetch_model, registry_model
 from engines.checkpoints.quality import perplexity
 from engines.checkpoints.quantized import fetch_quantized
@@ -79,7 +79,7 @@ def bench_model(name: str, home: Path, args: argparse.Namespace, threads: int) -
             for v, e in engines.items():
                 runs[v].append(decode_tok_s(e, prompts[:b], args.tokens))
             if not args.no_llamacpp:
-                from llamacpp_batched import llamacpp_batched_decode
+                from bench.llamacpp_batched import llamacpp_batched_decode
 
                 res = llamacpp_batched_decode(gguf, prompts[:b], args.tokens, threads)
                 runs["llama.cpp"].append(res["decode_tok_s"])
@@ -116,7 +116,9 @@ def delta_pct(q: dict, v: str) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.quant", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--models", nargs="+", default=["smollm2-135m-instruct", "qwen2.5-coder-1.5b-instruct"])
     p.add_argument("--tokens", type=int, default=32, help="new tokens per sequence in the speed runs")
     p.add_argument("--repeats", type=int, default=3)

@@ -1,7 +1,7 @@
 """The learned router on a label file: held-out APGR and CPTs against baselines, and routing latency.
 
-    OMP_NUM_THREADS=2 .venv/bin/python bench/router.py --labels PATH [--router DIR] [--plot PATH]
-    OMP_NUM_THREADS=2 .venv/bin/python bench/router.py --synthetic 400      # smoke check, no real labels
+    OMP_NUM_THREADS=2 .venv/bin/python -m bench.router --labels PATH [--router DIR] [--plot PATH]
+    OMP_NUM_THREADS=2 .venv/bin/python -m bench.router --synthetic 400      # smoke check, no real labels
 
 Trains on the label file's training split (seeded, stratified by source; six classifiers compared by
 cross-validated APGR, as `switchboard router train` does) or, with `--router`, loads a saved router;
@@ -23,12 +23,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import THREADS, say
+from bench.common import THREADS, say
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.router", description=__doc__.split("\n\n")[0])
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--labels", type=Path, help="a label file from `switchboard router label`")
     src.add_argument("--synthetic", type=int, metavar="N", help="a synthetic label file of N prompts")

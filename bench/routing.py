@@ -1,6 +1,6 @@
 """The gateway's routing decision: time per decision through the router thread, as `model: "auto"` pays it.
 
-    OMP_NUM_THREADS=2 .venv/bin/python bench/routing.py [--router DIR] [--prompts shipped|synthetic] [-n 300]
+    OMP_NUM_THREADS=2 .venv/bin/python -m bench.routing [--router DIR] [--prompts shipped|synthetic] [-n 300]
 
 Loads a saved router (or trains one on synthetic labels, which is all the timing needs), then routes
 prompts through `router_model.serving.RouterService` (one torch thread, its own thread, no embedding
@@ -20,17 +20,15 @@ import asyncio
 import json
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import THREADS, say
+from bench.common import THREADS, say
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.routing", description=__doc__.split("\n\n")[0])
     ap.add_argument("--router", type=Path, help="a saved router (default: train one on synthetic labels)")
     ap.add_argument("--prompts", choices=("shipped", "synthetic"), default="shipped")
     ap.add_argument("-n", type=int, default=300, help="decisions timed one at a time")

@@ -1,6 +1,6 @@
 """Speculative decoding on the large tier: plain vs draft-model vs n-gram proposals, batch 1 and 8.
 
-    OMP_NUM_THREADS=2 .venv/bin/python bench/spec_decode.py [--prompts 6] [--tokens 96]
+    OMP_NUM_THREADS=2 .venv/bin/python -m bench.spec_decode [--prompts 6] [--tokens 96]
 
 Target: Qwen2.5-Coder-1.5B (int8 weights, as the large tier serves on this CPU); draft:
 Qwen2.5-Coder-0.5B. Prompts: the first --prompts MT-bench first turns and GSM8K test problems,
@@ -26,8 +26,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from common import mtbench_questions, say
-
+from bench.common import mtbench_questions, say
 from engines.checkpoints.fetch import fetch_model
 from engines.checkpoints.loader import load_model
 from engines.checkpoints.quantized import fetch_quantized
@@ -70,7 +69,9 @@ def decode(engine: Engine, prompts: list[list[int]], batch: int, tokens: int) ->
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.spec_decode", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--prompts", type=int, default=6, help="MT-bench questions and as many GSM8K problems")
     p.add_argument("--tokens", type=int, default=96, help="most generated tokens per prompt")
     p.add_argument("--k", type=int, default=4, help="most drafts per step")

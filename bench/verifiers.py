@@ -1,6 +1,6 @@
 """Verifiers on GSM8K with the configured tiers (Qwen2.5-Coder 0.5B / 1.5B int8 by default).
 
-    OMP_NUM_THREADS=2 .venv/bin/python bench/verifiers.py [--problems 200] [--n 8] [--out DIR]
+    OMP_NUM_THREADS=2 .venv/bin/python -m bench.verifiers [--problems 200] [--n 8] [--out DIR]
 
 (a) Self-consistency on the small tier: n sampled answers per problem (temperature 0.7, top-p 0.95,
     seeded), majority vote of their final numbers; then the same requests (same seeds) with the
@@ -29,24 +29,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
 from decimal import Decimal
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH))
-from common import say  # noqa: E402  (also checks OMP_NUM_THREADS)
-
-# This script is named like the `verifiers` package: keep its directory off the path, the repository on it.
-sys.path[:] = [str(BENCH.parent), *(p for p in sys.path if Path(p or ".").resolve() != BENCH)]
+from bench.common import say  # also checks OMP_NUM_THREADS
 
 SLOTS = 64  # sequences in an engine at once
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.verifiers", description=__doc__.split("\n\n")[0])
     ap.add_argument("--problems", type=int, default=200)
     ap.add_argument("--n", type=int, default=8, help="samples per problem for self-consistency")
     ap.add_argument("--max-tokens", type=int, default=384)

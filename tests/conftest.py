@@ -7,6 +7,7 @@ is created fresh and dropped afterwards.
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +32,17 @@ os.environ["SWITCHBOARD_KEY_SECRET"] = "switchboard-tests-key-secret"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 MODELS_HOME = Path(os.environ.get("SWITCHBOARD_HOME", "~/.cache/switchboard")).expanduser()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Give what the in-process gateways froze back to the collector, so that interpreter shutdown frees it.
+
+    Gateway startup moves every live object into the collector's permanent generation (`gc.freeze()` in
+    gateway/app.py), which is never collected, not even at exit. Triton's nanobind extension then finds its
+    objects still alive at shutdown and prints ~40 lines of "nanobind: leaked ... instances" after pytest's
+    summary (once a kernel test and a live-server test ran in one session).
+    """
+    gc.unfreeze()
 
 
 def fetched(name: str) -> Path:

@@ -1,0 +1,241 @@
+"""Every benchmark imports, and runs as `python -m bench.X` from the repository root: its smallest
+configuration where that takes seconds, else `--help` (the module-level code and the argument parser).
+
+The tests are parametrized by the files in bench/, so a new benchmark is covered without an edit here (by
+`--help` until it gets an entry in SMALL). The checks are on what a run prints (its last line is one JSON
+object), never on its timings. The benchmarks that only answer `--help` here have their reason in HELP_ONLY;
+the measuring loops and pure helpers of some are exercised in-process at the end, on a tiny random model.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHES = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if p.stem != "__init__")
+RUNNABLE = [n for n in BENCHES if 'if __name__ == "__main__":' in (ROOT / "bench" / f"{n}.py").read_text()]
+OPTIONAL = {"llamacpp_batched": "llama_cpp"}  # bench → the module of the `bench` extra it needs at import
+
+# Benchmarks with no configuration that runs in seconds (measured on a 2-vCPU box): `--help` only.
+HELP_ONLY = {
+    "cache": "its KV-tier part times eight prefills of a ~1,000-token prompt (no flag): ~17 s at the smallest trace",
+    "engine_throughput": "its shared-prefix TTFT runs ten ~1,000-token prefills (no flag): ~17 s at the smallest",
+    "kv_tier": "runs every model of CASES that is in the cache, Qwen2.5-Coder-0.5B included",
+    "llamacpp_batched": "needs llama-cpp-python (the `bench` extra, built from source) and a GGUF file",
+    "moe": "splits Qwen2.5-Coder-1.5B into experts (minutes, once) and serves it three ways",
+    "policy_tune": "loads both configured tiers (Qwen2.5-Coder 0.5B and 1.5B) and tunes over a candidate grid",
+    "quant": "loads bf16, int8 and int4 engines and runs perplexity on each: tens of seconds at the smallest",
+    "spec_decode": "serves Qwen2.5-Coder-1.5B int8 with 0.5B drafts: tens of seconds at the smallest",
+    "verifiers": "loads both configured tiers and answers GSM8K problems on them",
+}
+
+
+def last_json(stdout: str, keys: set[str]) -> dict:
+    result = json.loads(stdout.strip().splitlines()[-1])
+    assert keys <= set(result), f"missing {keys - set(result)} in {result}"
+    return result
+
+
+def check_ledger(out: str) -> None:
+    r = last_json(out, {"report_ms", "report_raw_ms", "overhead_p50_ms", "overhead_diff_p50_ms", "request_p50_ms"})
+    assert (r["rows"], r["requests"], r["backend"]) == (200, 5, "postgresql+redis")
+    assert r["rollup_check"] is True  # the daily rollup equals the raw rows' sums
+    assert "rollup and raw reports agree: yes" in out
+    assert r["report_month_rows"] > 0
+
+
+def check_router(out: str) -> None:
+    r = last_json(out, {"apgr", "cpt50", "cpt80", "apgr_random", "apgr_optimal", "route_p50_ms", "classifier"})
+    assert (r["n_labeled"], r["n_train"], r["labels"]) == (60, 48, "synthetic")
+    assert 0 <= r["cpt50"] <= 1 and 0 <= r["cpt80"] <= 1  # shares of calls
+
+
+def check_routing(out: str) -> None:
+    r = last_json(out, {"route_p50_ms", "route_p90_ms", "route_cpu_p50_ms", "burst_p50_ms", "word_pieces_p50"})
+    assert (r["prompts"], r["n"], r["concurrency"], r["capped"], r["omp_threads"]) == ("synthetic", 8, 2, True, 1)
+
+
+def check_decode_speed(out: str) -> None:
+    r = last_json(out, {"smollm2-135m-instruct/bf16"})["smollm2-135m-instruct/bf16"]
+    assert {"load_s", "tok_s", "ttft_ms"} <= set(r)
+    assert (r["hf_tok_s"], r["ratio"], r["first_start_s"], r["threads"]) == (None, None, None, 1)  # --no-hf
+
+
+def check_load(out: str) -> None:
+    r = last_json(out, {"hit_rps", "hit_p50_ms", "hit_p99_ms", "stream_ttft_p99_ms", "stream_tokens_per_s"})
+    assert r["concurrency"] == 2
+    assert (r["hit_errors"], r["hit_non_hits"]) == (0, 0) and r["hit_requests"] > 0  # every timed request a hit
+    assert (r["stream_errors"], r["stream_completed"]) == (0, 2)
+
+
+def check_gpu(out: str) -> None:
+    assert "no CUDA device on this machine; nothing to measure" in out
+
+
+# bench → (its smallest configuration, the check of its output, the fixtures it needs); `slow`: a registry model.
+SMALL: dict[str, tuple[list[str], Callable[[str], None], tuple[str, ...]]] = {
+    "ledger": (["--rows", "200", "--reps", "2", "--requests", "5", "--warmup", "2"], check_ledger,
+               ("postgres_server", "redis_server")),
+    "router": (["--synthetic", "60", "--folds", "2", "--timing-prompts", "5"], check_router, ()),
+    "routing": (["--prompts", "synthetic", "-n", "8", "--concurrency", "2"], check_routing, ()),
+    "decode_speed": (["--models", "smollm2-135m-instruct", "--dtypes", "bf16", "--tokens", "4", "--runs", "1",
+                      "--no-hf"], check_decode_speed, ()),
+    "load": (["--mode", "both", "--concurrency", "2", "--duration", "0.5", "--max-tokens", "4"], check_load,
+             ("postgres_server", "redis_server")),
+}  # fmt: skip
+SLOW = {"decode_speed", "load"}
+if not torch.cuda.is_available():  # without CUDA it says so and exits 0; with CUDA it loads every tier: --help
+    SMALL["gpu"] = ([], check_gpu, ())
+
+
+def run_bench(name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    cmd = [sys.executable, "-m", f"bench.{name}", *args]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"{' '.join(cmd[1:])} exited {done.returncode}:\n{done.stderr[-3000:]}"
+    return done
+
+
+@pytest.fixture
+def bench_module(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], object]:
+    """`bench.<name>`, imported as `python -m` from the repository root imports it."""
+
+    def load(name: str) -> object:
+        monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))  # or bench.common exits
+        if str(ROOT) not in sys.path:
+            monkeypatch.syspath_prepend(str(ROOT))
+        return importlib.import_module(f"bench.{name}")
+
+    return load
+
+
+@pytest.mark.parametrize("name", BENCHES)
+def test_imports(name: str, bench_module: Callable) -> None:
+    if name in OPTIONAL:
+        pytest.importorskip(OPTIONAL[name], reason=f"bench/{name}.py needs the `bench` extra")
+    module = bench_module(name)
+    assert module.__doc__, f"bench/{name}.py says what it measures and how to run it"
+    if hasattr(module, "main"):
+        assert f"python -m bench.{name}" in module.__doc__, "its usage line runs it as a module"
+
+
+@pytest.mark.parametrize("name", [n for n in RUNNABLE if n not in SMALL])
+def test_help(
+    name: str, bench_module: Callable, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """`python -m bench.X --help`, in this process (a subprocess would import torch again): module and parser."""
+    if name in OPTIONAL:
+        pytest.importorskip(OPTIONAL[name], reason=f"bench/{name}.py needs the `bench` extra")
+    main = bench_module(name).main
+    monkeypatch.setattr(sys, "argv", [f"{ROOT}/bench/{name}.py", "--help"])  # sys.argv under `python -m`
+    with pytest.raises(SystemExit) as exited:
+        main()
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: python -m bench.{name} [-h]")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in SMALL])
+def test_smallest_configuration(name: str, request: pytest.FixtureRequest) -> None:
+    """`python -m bench.X` with its smallest settings, in a subprocess from the repository root."""
+    args, check, fixtures = SMALL[name]
+    urls = {f: request.getfixturevalue(f) for f in fixtures}
+    env = {}
+    if "postgres_server" in urls:  # the session's servers, not throwaway ones of the bench's own
+        env["SWITCHBOARD_TEST_POSTGRES_URL"] = urls["postgres_server"]
+    if "redis_server" in urls:
+        env["SWITCHBOARD_TEST_REDIS_URL"] = urls["redis_server"]
+    check(run_bench(name, args, env).stdout)
+
+
+def test_every_bench_named_here_exists() -> None:
+    assert set(SMALL) | set(HELP_ONLY) <= set(RUNNABLE) and not set(SMALL) & set(HELP_ONLY)
+
+
+# --- in-process: the measuring loops and helpers of benches that only answer --help above ---------------
+
+
+@pytest.fixture(scope="module")
+def tiny_engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tiny import tiny_hf_model
+
+    return tiny_hf_model("llama", tmp_path_factory.mktemp("tiny-bench"))
+
+
+def tiny_engine(model_dir: Path, **config: object) -> object:
+    from engines.engine import Engine, EngineConfig
+
+    return Engine.from_dir(model_dir, dtype="fp32", config=EngineConfig(kv_cache_bytes=1 << 22, block_size=8, **config))
+
+
+def test_engine_throughput_counts_every_generated_token(tiny_engine_dir: Path, bench_module: Callable) -> None:
+    et = bench_module("engine_throughput")
+    jobs = [et.Job(list(range(3 + i, 10 + 2 * i)), 3 + i) for i in range(5)]  # EOS ignored: exactly max_tokens
+    for concurrency in (1, 3):
+        assert et.run_ours(tiny_engine(tiny_engine_dir), jobs, concurrency)["tokens"] == sum(j.max_tokens for j in jobs)
+    engines = [tiny_engine(tiny_engine_dir, enable_prefix_caching=flag) for flag in (True, False)]
+    steps = et.lockstep(engines, jobs, 2, lambda i: f"salt-{i}")
+    assert [tokens for _, tokens in steps] == [sum(j.max_tokens for j in jobs)] * 2
+
+
+def test_spec_decode_waves_keep_every_answer(tiny_engine_dir: Path, bench_module: Callable) -> None:
+    sd = bench_module("spec_decode")
+    engine = tiny_engine(tiny_engine_dir)
+    prompts = [list(range(5 + i, 12 + 3 * i)) for i in range(4)]
+    _, one = sd.decode(engine, prompts, 1, 6)
+    _, two = sd.decode(engine, prompts, 2, 6)
+    assert len(one) == len(prompts) and all(1 <= len(o) <= 6 for o in one)
+    assert two == one  # greedy: the same answers in waves of 2 as one at a time, in prompt order
+
+
+def test_cache_trace_near_misses_ask_something_else(bench_module: Callable) -> None:
+    import random
+
+    cache = bench_module("cache")
+    rng = random.Random(0)
+    assert cache.near_miss("What is 12 times 3?", rng) not in (None, "What is 12 times 3?")
+    assert cache.near_miss("Why is the sky blue?", random.Random(0)) == "Why is not the sky blue?"
+    assert cache.near_miss("Hello there", rng) is None
+    assert cache.chat_label("Who made you?") == cache.chat_label("Who built you?") != cache.chat_label("Who are you?")
+    assert cache.chat_label("Write a poem.") == "Write a poem."  # its own class
+
+
+def test_verifiers_cascade_accuracy_and_cost(bench_module: Callable) -> None:
+    from policies.policy import DEFAULT_PRICES
+
+    verifiers = bench_module("verifiers")
+
+    def answered(answer: str, completion: int) -> dict:
+        return {"answer": answer, "prompt_tokens": 100, "completion_tokens": completion}
+
+    def cost(r: dict, tier: str) -> Decimal:
+        price = DEFAULT_PRICES[tier]
+        return (r["prompt_tokens"] * price.prompt + r["completion_tokens"] * price.completion) / 1_000_000
+
+    problems = [{"answer": "... #### 4"}, {"answer": "... #### 7"}]
+    small, large = [answered("4", 50), answered("6", 50)], [answered("4", 80), answered("7", 80)]
+    assert verifiers.accuracy(small, problems, "answer") == 0.5
+    acc, ratio = verifiers.cascade(small, large, problems, [False, True])  # the wrong one escalated
+    assert acc == 1.0
+    spent = cost(small[0], "small") + cost(small[1], "small") + cost(large[1], "large")  # escalated: pays both
+    assert ratio == pytest.approx(float(spent / (cost(large[0], "large") + cost(large[1], "large"))))
+
+
+def test_moe_serves_the_split_with_another_top_k(tmp_path: Path, bench_module: Callable) -> None:
+    moe = bench_module("moe")
+    split = tmp_path / "moe"
+    split.mkdir()
+    (split / "config.json").write_text(json.dumps({"num_experts": 8, "num_experts_per_tok": 2}))
+    (split / "model.safetensors").write_bytes(b"weights")
+    served = moe.with_top_k(split, 4)
+    assert json.loads((served / "config.json").read_text()) == {"num_experts": 8, "num_experts_per_tok": 4}
+    assert (served / "model.safetensors").resolve() == (split / "model.safetensors").resolve()  # the same weights
