@@ -1,4 +1,4 @@
-"""The quality gate for model variants (`switchboard models quality`): perplexity on held-out shipped
+"""The quality gate for model variants (`switchboard models eval`): perplexity on held-out shipped
 text (`engines.checkpoints.quality`) and GSM8K accuracy, both through the engine itself.
 
 GSM8K: the first N problems of the test file, a zero-shot chat prompt, greedy, all submitted together so
