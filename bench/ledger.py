@@ -19,7 +19,7 @@ started from the installed binaries). No model runs and torch does no work, so n
    with `LocalCounters`, for information. Each request is `start_chat` and then `events()` to the end,
    sequential in one asyncio loop, after a warm-up. Overhead per request = the policy lookup (the
    store's 1 s cache and any thread hop included) + `Budgets.admit` + everything after the engine's
-   last output (`Generation._account`: pricing, the ledger row and rollup upsert in their thread,
+   last output (`Meter.bill` in gateway/pipeline/metering.py: pricing, the ledger row and rollup upsert in their thread,
    `Budgets.settle`), timed around those stages; `overhead_p50_ms`/`overhead_p99_ms` are its
    percentiles on PostgreSQL + Redis. As a cross-check, the same requests run, interleaved, through a
    pipeline whose policy store, budgets and ledger are in-memory no-ops: the difference of the whole

@@ -8,10 +8,12 @@ import gc
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
 
 import anyio
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
 
 from core.db.database import Database
 from core.settings import Settings
@@ -24,6 +26,7 @@ from gateway.api import tuning as tuning_api
 from gateway.body_limit import BodySizeLimit
 from gateway.cache_stage import CacheStage
 from gateway.console import pages as console
+from gateway.deps import AppConfig, Services, app_config, running_pipeline, set_config, set_services
 from gateway.ledger import Ledger, spool_path
 from gateway.logging_setup import RequestIdMiddleware
 from gateway.metrics import Metrics
@@ -42,6 +45,21 @@ from verifiers.probe import AnswerProbe
 
 log = logging.getLogger(__name__)
 
+# In this order: the OpenAI API first; the console's pages last.
+ROUTERS: tuple[APIRouter, ...] = (
+    openai.router,
+    admin.router,
+    policy_api.router,
+    tuning_api.router,
+    finance.router,
+    health.router,
+    metrics_router,
+    router_api.router,
+    console.router,
+)
+
+Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
+
 
 def create_app(
     settings: Settings | None = None,
@@ -51,45 +69,49 @@ def create_app(
 ) -> FastAPI:
     """Build the app. Tests pass ready engines and a database; `switchboard serve` passes neither."""
     settings = settings or Settings()
+    app = FastAPI(
+        title="switchboard",
+        summary="An OpenAI-compatible gateway over tiered in-process engines.",
+        lifespan=_lifespan(engines, database),
+        # FastAPI's OpenTelemetry hooks look up the global providers on every request (~5% of a cache
+        # hit's CPU); we export Prometheus metrics and JSON logs ourselves.
+        telemetry={"tracing": False, "metrics": False, "logs": False},
+    )
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
+    app.add_middleware(RequestIdMiddleware)  # added last: outermost, so every log line of a request has its id
+    # A random secret signs out every console session on restart; set `console_secret` to keep them.
+    config = AppConfig(settings, Metrics(), settings.console_secret or secrets.token_urlsafe(32))
+    set_config(app, config)
+    config.metrics.watch(lambda: running_pipeline(app))
+    use_key_secret(settings.key_secret.get_secret_value() if settings.key_secret else None, settings.home_dir)
+    errors.install(app, config.metrics)
+    openapi.install(app)
+    for router in ROUTERS:
+        app.include_router(router)
+    return app
+
+
+@dataclass(frozen=True, slots=True)
+class _Running:
+    """What startup built: the services, and what shutdown closes besides them."""
+
+    services: Services
+    engines: Mapping[str, TierEngine]
+    ledger: Ledger
+    counters: Counters
+    cache: CacheStage
+    routing: RoutingStage
+
+
+def _lifespan(engines: Mapping[str, TierEngine] | None, database: Database | None) -> Lifespan:
+    """Startup and shutdown. Engines and a database passed to `create_app` belong to the caller: not closed."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        db = database or Database(settings.database)
-        if settings.auto_migrate:
-            db.upgrade()
-        ledger = Ledger(db, spool_path(settings.home_dir, db.url))
-        if replayed := ledger.replay_spool():
-            log.warning("wrote %d spooled usage rows to the database", replayed)
-        counters: Counters = (
-            RedisCounters(settings.redis_url, settings.redis_namespace) if settings.redis_url else LocalCounters()
-        )
-        policies = PolicyStore(db)
-        cache = CacheStage(
-            ResponseCache(settings.redis_url, settings.redis_namespace),
-            SemanticCache(settings.redis_url, settings.redis_namespace),
-        )
-        if engines is None:
-            from gateway.tiers import load_engines
-
-            running = load_engines(settings)
-        else:
-            running = dict(engines)
-        for engine in set(running.values()):
-            engine.start()
-        app.state.db = db
-        app.state.policies = policies
-        app.state.proposals = ProposalStore(db, policies)
-        app.state.budgets = Budgets(db, counters, settings.redis_namespace)
-        routing = await anyio.to_thread.run_sync(_routing, settings, running, db, ledger, app.state.budgets, app)
-        probe = await anyio.to_thread.run_sync(_probe, settings, routing)
-        app.state.pipeline = Pipeline(
-            running, ledger, settings, policies, app.state.budgets, cache, app.state.metrics, routing, probe
-        )
-        app.state.started = int(time.time())
-        app.state.tuning = TuningSchedule(db, policies, app.state.proposals, running, settings.home_dir)
-        schedule = None
-        if settings.tuning_check_seconds > 0:
-            schedule = asyncio.create_task(app.state.tuning.run_forever(settings.tuning_check_seconds))
+        config = app_config(app)
+        running = await _start(config, engines, database)
+        set_services(app, running.services)
+        schedule = _schedule(config.settings, running.services.tuning)
         # Everything loaded so far (models, tokenizers, the ORM, jinja) lives as long as the process: keep it
         # out of the collector's scans. A full collection walked all of it, stalling every request in
         # flight for up to ~0.2 s (the p99 of cache hits); requests' own garbage is collected as before.
@@ -98,48 +120,77 @@ def create_app(
         try:
             yield
         finally:
-            if schedule is not None:
-                schedule.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await schedule
-            await routing.close()  # shadow runs still going finish first: they need the engines and the ledger
-            if engines is None:  # engines passed in belong to the caller
-                for engine in set(running.values()):
-                    engine.shutdown()
-            await ledger.aclose()
-            await counters.close()
-            await cache.close()
-            if database is None:
-                db.dispose()
+            await _stop(running, schedule, own_engines=engines is None, own_database=database is None)
 
-    app = FastAPI(
-        title="switchboard",
-        summary="An OpenAI-compatible gateway over tiered in-process engines.",
-        lifespan=lifespan,
-        # FastAPI's OpenTelemetry hooks look up the global providers on every request (~5% of a cache
-        # hit's CPU); we export Prometheus metrics and JSON logs ourselves.
-        telemetry={"tracing": False, "metrics": False, "logs": False},
+    return lifespan
+
+
+async def _start(config: AppConfig, engines: Mapping[str, TierEngine] | None, database: Database | None) -> _Running:
+    """Open the database, ledger, counters and caches, start the engines, and build the pipeline on them."""
+    settings = config.settings
+    db = database or Database(settings.database)
+    if settings.auto_migrate:
+        db.upgrade()
+    ledger = Ledger(db, spool_path(settings.home_dir, db.url))
+    if replayed := ledger.replay_spool():
+        log.warning("wrote %d spooled usage rows to the database", replayed)
+    counters: Counters = (
+        RedisCounters(settings.redis_url, settings.redis_namespace) if settings.redis_url else LocalCounters()
     )
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
-    app.add_middleware(RequestIdMiddleware)  # added last: outermost, so every log line of a request has its id
-    app.state.settings = settings
-    app.state.metrics = Metrics()  # a registry per app: apps sharing a process never collide
-    app.state.metrics.watch(lambda: app.state)
-    use_key_secret(settings.key_secret.get_secret_value() if settings.key_secret else None, settings.home_dir)
-    # A random secret signs out every console session on restart; set `console_secret` to keep them.
-    app.state.console_secret = settings.console_secret or secrets.token_urlsafe(32)
-    errors.install(app)
-    openapi.install(app)
-    app.include_router(openai.router)
-    app.include_router(admin.router)
-    app.include_router(policy_api.router)
-    app.include_router(tuning_api.router)
-    app.include_router(finance.router)
-    app.include_router(health.router)
-    app.include_router(metrics_router)
-    app.include_router(router_api.router)
-    app.include_router(console.router)
-    return app
+    policies = PolicyStore(db)
+    cache = CacheStage(
+        ResponseCache(settings.redis_url, settings.redis_namespace),
+        SemanticCache(settings.redis_url, settings.redis_namespace),
+    )
+    running = _start_engines(settings, engines)
+    proposals = ProposalStore(db, policies)
+    budgets = Budgets(db, counters, settings.redis_namespace)
+    routing = await anyio.to_thread.run_sync(_routing, settings, running, db, ledger, budgets, config.metrics)
+    probe = await anyio.to_thread.run_sync(_probe, settings, routing)
+    pipeline = Pipeline(running, ledger, settings, policies, budgets, cache, config.metrics, routing, probe)
+    started = int(time.time())
+    tuning = TuningSchedule(db, policies, proposals, running, settings.home_dir)
+    services = Services(db, policies, proposals, budgets, pipeline, tuning, started)
+    return _Running(services, running, ledger, counters, cache, routing)
+
+
+def _start_engines(settings: Settings, engines: Mapping[str, TierEngine] | None) -> dict[str, TierEngine]:
+    """The engines passed in, or the configured tiers' loaded; started."""
+    if engines is None:
+        from gateway.tiers import load_engines
+
+        running = load_engines(settings)
+    else:
+        running = dict(engines)
+    for engine in set(running.values()):
+        engine.start()
+    return running
+
+
+def _schedule(settings: Settings, tuning: TuningSchedule) -> asyncio.Task[None] | None:
+    """The policy-tuning schedule's task, unless `tuning_check_seconds` turns it off."""
+    if settings.tuning_check_seconds > 0:
+        return asyncio.create_task(tuning.run_forever(settings.tuning_check_seconds))
+    return None
+
+
+async def _stop(
+    running: _Running, schedule: asyncio.Task[None] | None, *, own_engines: bool, own_database: bool
+) -> None:
+    """Shut down in order: the schedule, routing's shadow runs, then engines, ledger, counters, caches, database."""
+    if schedule is not None:
+        schedule.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await schedule
+    await running.routing.close()  # shadow runs still going finish first: they need the engines and the ledger
+    if own_engines:
+        for engine in set(running.engines.values()):
+            engine.shutdown()
+    await running.ledger.aclose()
+    await running.counters.close()
+    await running.cache.close()
+    if own_database:
+        running.services.db.dispose()
 
 
 def _probe(settings: Settings, routing: RoutingStage) -> AnswerProbe | None:
@@ -152,11 +203,16 @@ def _probe(settings: Settings, routing: RoutingStage) -> AnswerProbe | None:
 
 
 def _routing(
-    settings: Settings, engines: Mapping[str, TierEngine], db: Database, ledger: Ledger, budgets: Budgets, app: FastAPI
+    settings: Settings,
+    engines: Mapping[str, TierEngine],
+    db: Database,
+    ledger: Ledger,
+    budgets: Budgets,
+    metrics: Metrics,
 ) -> RoutingStage:
     """The routing stage, with the trained router if one is saved (MiniLM loads here, not on a first request)."""
     from gateway.shadow import Relabeler
     from router_model.routed_prompts import RoutedPromptStore
 
-    relabeler = Relabeler(engines, settings, ledger, budgets, app.state.metrics)
+    relabeler = Relabeler(engines, settings, ledger, budgets, metrics)
     return RoutingStage.load(settings.router_path, settings.router_threads, engines, RoutedPromptStore(db), relabeler)

@@ -6,15 +6,17 @@ from collections.abc import Awaitable, Callable
 from typing import Annotated
 
 import anyio
-from fastapi import Depends, Header, Request
+from fastapi import Depends, Header
 
 from core.db.database import Database
 from core.db.models import Tenant
+from gateway.deps import DatabaseDep
 from gateway.errors import APIError
 from gateway.tenants import Principal, authenticate, recently_authenticated, tenant_by_name
 
 
-async def require_principal(request: Request, authorization: Annotated[str | None, Header()] = None) -> Principal:
+async def require_principal(db: DatabaseDep, authorization: Annotated[str | None, Header()] = None) -> Principal:
+    """The caller's principal, from its `Authorization: Bearer` key; 401 without a live key."""
     if not authorization:
         raise APIError(
             401,
@@ -25,7 +27,6 @@ async def require_principal(request: Request, authorization: Annotated[str | Non
     key = key.strip()
     if scheme.lower() != "bearer" or not key:
         raise APIError(401, "The Authorization header must be 'Bearer YOUR_KEY'.", code="invalid_api_key")
-    db = request.app.state.db
     principal = recently_authenticated(db, key) or await anyio.to_thread.run_sync(authenticate, db, key)
     if principal is None:
         raise APIError(401, f"Incorrect API key provided: {_mask(key)}.", code="invalid_api_key")

@@ -7,7 +7,7 @@ details stay in our logs.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -19,6 +19,9 @@ from starlette.routing import Match
 
 from core.db.database import UNREACHABLE
 from policies.budgets import BudgetError, CountersUnavailable, RateLimited
+
+if TYPE_CHECKING:
+    from gateway.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -120,9 +123,19 @@ def from_budget(exc: BudgetError) -> APIError:
     return APIError(429, exc.message, code="insufficient_quota", type="insufficient_quota")
 
 
-def install(app: FastAPI) -> None:
-    app.add_exception_handler(APIError, _api_error)
-    app.add_exception_handler(BudgetError, _budget_error)
+def install(app: FastAPI, metrics: Metrics | None = None) -> None:
+    """Answer every error in OpenAI's shape; `metrics` counts the budget and rate-limit 429s where they leave."""
+
+    async def api_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, APIError)
+        return _refusal(exc, metrics)
+
+    async def budget_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, BudgetError)
+        return _refusal(from_budget(exc), metrics)
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(BudgetError, budget_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     for unreachable in UNREACHABLE:
@@ -130,16 +143,10 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(Exception, _unexpected)
 
 
-async def _api_error(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, APIError)
-    if (metrics := getattr(request.app.state, "metrics", None)) is not None:
+def _refusal(exc: APIError, metrics: Metrics | None) -> JSONResponse:
+    if metrics is not None:
         metrics.record_error(exc.status, exc.code)  # budget and rate-limit 429s, counted where they leave
     return exc.response()
-
-
-async def _budget_error(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, BudgetError)
-    return await _api_error(request, from_budget(exc))
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:

@@ -4,6 +4,7 @@ The request id is the primary key, so a second row for a request cannot exist. T
 rollup increment commit in one transaction, so the rollup always equals the sum of the raw rows and
 reports never scan them. If the database is unreachable the row goes to a spool file under the home
 directory, drained (rollup included) as soon as the database answers again: usage is never dropped.
+The row itself is `gateway.usage_record.UsageRecord`.
 """
 
 from __future__ import annotations
@@ -11,12 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import json
 import logging
 import time
-from dataclasses import asdict, dataclass, field
 from datetime import datetime
-from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -27,67 +25,13 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from core.db.database import Database
-from core.db.models import Usage, UsageDaily, utcnow
+from core.db.models import Usage, UsageDaily
+from gateway.usage_record import AMOUNTS, COUNTS, UsageRecord
 from gateway.usage_spool import UsageSpool
 
+__all__ = ["AMOUNTS", "COUNTS", "Ledger", "UsageRecord", "add", "add_many", "rebuild_rollup", "spool_path"]
+
 log = logging.getLogger(__name__)
-
-COUNTS = ("prompt_tokens", "cached_prompt_tokens", "completion_tokens", "draft_proposed", "draft_accepted")
-AMOUNTS = (
-    "cost",
-    "counterfactual_cost",
-    "saved_cache",
-    "saved_routing",
-    "saved_speculation",
-    "saved_verifier",
-    "saved_policy",
-)
-
-
-@dataclass(frozen=True)
-class UsageRecord:
-    request_id: str
-    tenant_id: int
-    api_key_id: int | None
-    endpoint: str
-    model: str
-    tier: str
-    prompt_tokens: int
-    completion_tokens: int
-    latency_ms: int
-    status: str  # ok | aborted | error
-    finish_reason: str | None
-    cached_prompt_tokens: int = 0
-    draft_proposed: int = 0
-    draft_accepted: int = 0
-    requested_max_tokens: int | None = None
-    effective_max_tokens: int = 0
-    cache_status: str = "miss"
-    route: str = "direct"
-    verifier_actions: list = field(default_factory=list)
-    policy_version: int = 0
-    cost: Decimal = Decimal(0)
-    counterfactual_cost: Decimal = Decimal(0)
-    saved_cache: Decimal = Decimal(0)
-    saved_routing: Decimal = Decimal(0)
-    saved_speculation: Decimal = Decimal(0)
-    saved_verifier: Decimal = Decimal(0)
-    saved_policy: Decimal = Decimal(0)
-    created_at: datetime = field(default_factory=utcnow)
-
-    def to_json(self) -> str:
-        d = asdict(self)
-        d["created_at"] = self.created_at.isoformat()
-        return json.dumps(d, default=str)
-
-    @classmethod
-    def from_json(cls, line: str) -> UsageRecord:
-        d: dict[str, Any] = json.loads(line)
-        d["created_at"] = datetime.fromisoformat(d["created_at"])
-        for name in AMOUNTS:
-            d[name] = Decimal(d[name])
-        return cls(**d)
-
 
 _UPSERTS: dict[str, Any] = {}
 
@@ -120,7 +64,7 @@ def add_many(session: Session, recs: list[UsageRecord]) -> None:
     """Usage rows and their rollup increments, in the caller's transaction: one executemany insert and
     one upsert per (tenant, day, tier, model), in key order so concurrent replicas lock rollup rows in
     the same order (no deadlocks). Core statements: the ORM's unit of work doubles the time."""
-    rows = [asdict(r) for r in recs]
+    rows = [r.as_row() for r in recs]
     conn = session.connection()
     conn.execute(_INSERT_USAGE, rows)  # a duplicate request id fails here, before the rollup is touched
     sums: dict[tuple, dict[str, Any]] = {}

@@ -1,9 +1,9 @@
 """Prometheus metrics: `GET /metrics` in the text exposition format.
 
-Counters and histograms are recorded where a request is priced (`Generation._account`) and where a
+Counters and histograms are recorded where a request is priced (`gateway.pipeline.metering.Meter.bill`) and where a
 429 leaves (`gateway.errors`); engine gauges (queue depth, KV use, speculative acceptance) and the
 caches' error counts are read from the engines and caches at scrape time, so nothing runs in the
-background. Each app has its own registry (`app.state.metrics`): several apps in one process, as in
+background. Each app has its own registry (`AppConfig.metrics`): several apps in one process, as in
 the tests, never share or collide.
 
 Labels carry tiers, endpoints and statuses only, never tenants or prompt text: the label sets stay
@@ -13,7 +13,7 @@ small and a scrape reveals no tenant's data.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -22,6 +22,7 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from gateway.ledger import UsageRecord
+    from gateway.pipeline import Pipeline
 
 # Seconds; CPU engines' first tokens range from tens of milliseconds to tens of seconds under load.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -113,21 +114,21 @@ class Metrics:
         if status == 429:
             self.throttled.labels(THROTTLE_CODES.get(code or "", "other")).inc()
 
-    def watch(self, state: Callable[[], Any]) -> None:
-        """Read engine and cache gauges at scrape time from `state()` (the app's state, once it started)."""
-        self.registry.register(_StateCollector(state))
+    def watch(self, pipeline: Callable[[], Pipeline | None]) -> None:
+        """Read engine and cache gauges at scrape time from `pipeline()` (the app's, once it started)."""
+        self.registry.register(_PipelineCollector(pipeline))
 
 
-class _StateCollector(Collector):
-    def __init__(self, state: Callable[[], Any]) -> None:
-        self.state = state
+class _PipelineCollector(Collector):
+    def __init__(self, pipeline: Callable[[], Pipeline | None]) -> None:
+        self.pipeline = pipeline
 
     def describe(self) -> list[Metric]:
         return []  # names are only known once engines run; an empty describe keeps registration lazy
 
     def collect(self) -> Iterator[Metric]:
-        pipeline = getattr(self.state(), "pipeline", None)
-        if pipeline is None:  # before startup or after shutdown
+        pipeline = self.pipeline()
+        if pipeline is None:  # before startup
             return
         gauges = {
             key: GaugeMetricFamily(f"switchboard_{name}", doc, labels=["tier"]) for key, (name, doc) in GAUGES.items()
@@ -153,7 +154,7 @@ class _StateCollector(Collector):
         yield errors
 
 
-def _router_gauges(pipeline: Any) -> Iterator[Metric]:
+def _router_gauges(pipeline: Pipeline) -> Iterator[Metric]:
     """Drift of the learned router: its large-tier share over the last decisions, and what was calibrated."""
     shares = pipeline.routing.shares()
     values = {
@@ -176,10 +177,13 @@ router = APIRouter(tags=["metrics"])
 @router.get("/metrics", include_in_schema=False)
 async def metrics(request: Request) -> Response:
     """Prometheus text format. Public unless `metrics_public` is off: then an admin key is needed."""
-    if not request.app.state.settings.metrics_public:
+    from gateway.deps import app_config, app_services  # gateway.deps imports this module
+
+    config = app_config(request.app)
+    if not config.settings.metrics_public:
         from gateway.auth import require_principal, require_role
 
-        principal = await require_principal(request, request.headers.get("authorization"))
+        principal = await require_principal(app_services(request.app).db, request.headers.get("authorization"))
         await require_role("admin")(principal)
-    registry: CollectorRegistry = request.app.state.metrics.registry
+    registry: CollectorRegistry = config.metrics.registry
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

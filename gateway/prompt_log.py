@@ -13,32 +13,31 @@ from typing import TYPE_CHECKING
 from engines.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from gateway.pipeline import Generation
+    from gateway.pipeline.plan import Outcome, Plan
 
 log = logging.getLogger(__name__)
 
 
-def log_exchange(gen: Generation, tokenizer: Tokenizer) -> None:
+def log_exchange(plan: Plan, outcome: Outcome, tokenizer: Tokenizer) -> None:
     """Never raises: it runs while the request is being billed, which must not fail because of a log line."""
     try:
-        _log(gen, tokenizer)
+        _log(plan, outcome, tokenizer)
     except Exception:  # no traceback: its messages could quote the text
-        log.warning("could not log the prompt and completion", extra={"request_id": gen.request_id})
+        log.warning("could not log the prompt and completion", extra={"request_id": plan.request_id})
 
 
-def _log(gen: Generation, tokenizer: Tokenizer) -> None:
-    per_prompt = max(1, len(gen.requests) // max(1, gen.num_prompts))  # n choices share each prompt
-    prompts = [tokenizer.decode(r.prompt_token_ids) for r in gen.requests[::per_prompt]]
-    completions = list(gen.cache.answer.texts) if gen.cache.answer is not None else list(gen.texts)
+def _log(plan: Plan, outcome: Outcome, tokenizer: Tokenizer) -> None:
+    requests = plan.work.requests
+    prompts = [tokenizer.decode(r.prompt_token_ids) for r in requests[:: plan.work.choices_per_prompt]]
     log.info(
         "prompt and completion",
         extra={
-            "request_id": gen.request_id,
-            "tenant_id": gen.principal.tenant_id,
-            "endpoint": gen.endpoint,
-            "tier": gen.model,
-            "outcome": gen.status,
+            "request_id": plan.request_id,
+            "tenant_id": plan.caller.principal.tenant_id,
+            "endpoint": plan.caller.endpoint,
+            "tier": plan.caller.model,
+            "outcome": outcome.status,
             "prompts": prompts,
-            "completions": completions,
+            "completions": list(outcome.texts),  # a cached answer's texts on a hit
         },
     )

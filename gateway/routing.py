@@ -31,7 +31,6 @@ import anyio
 
 from engines.protocol import TierEngine
 from gateway.errors import APIError
-from gateway.shadow import Relabeler, ShadowJob
 from gateway.tenants import Principal
 from policies.policy import Policy
 from router_model.drift import LargeShareWindow, Shares
@@ -40,8 +39,9 @@ from router_model.model import LARGE, SMALL, RouterLoadError
 from router_model.routed_prompts import RoutedPromptStore
 from router_model.serving import RouterService
 
-if TYPE_CHECKING:
-    from gateway.pipeline import Generation
+if TYPE_CHECKING:  # the pipeline runs this stage, and the relabeler meters through the pipeline
+    from gateway.pipeline.plan import Outcome, Plan
+    from gateway.shadow import Relabeler
 
 log = logging.getLogger(__name__)
 
@@ -152,42 +152,23 @@ class RoutingStage:
     def _tiers(self, policy: Policy) -> list[str]:
         return [t for t in (SMALL, LARGE) if t in self.engines and policy.allows(t)]
 
-    def after_response(self, gen: Generation) -> None:
+    def after_response(self, plan: Plan, outcome: Outcome) -> None:
         """Once the response is out: store the conversation, maybe start a shadow run. Never blocks."""
-        route = gen.route
-        if route is None or gen.status != "ok":
+        route = plan.route
+        if route is None or outcome.status != "ok":
             return
-        if gen.policy.policy.router.store_prompts and self.prompts is not None:
-            self._spawn(self._store(gen, route), f"storing routed prompts of {gen.request_id}")
-        fresh = gen.cache.answer is None  # a cached answer is not a new small-tier answer
-        relabeler = self.relabeler
-        if (
-            relabeler is not None
-            and fresh
-            and gen.endpoint == "chat.completions"
-            and relabeler.wants(gen.policy, gen.tier)
-        ):
-            relabeler.submit(
-                ShadowJob(
-                    request_id=gen.request_id,
-                    endpoint=gen.endpoint,
-                    tenant_id=gen.principal.tenant_id,
-                    key_id=gen.principal.key_id,
-                    policy=gen.policy,
-                    messages=[{"role": str(m["role"]), "content": str(m["content"])} for m in gen.conversations[0]],
-                    small_text=gen.texts[0],
-                    small_tokens=gen.choice_tokens[0],
-                    small_finish=gen.finish_reasons[0],
-                    max_tokens=gen.requests[0].params.max_tokens,
-                )
-            )
+        if plan.caller.policy.policy.router.store_prompts and self.prompts is not None:
+            self._spawn(self._store(plan, route), f"storing routed prompts of {plan.request_id}")
+        fresh = plan.cache.answer is None  # a cached answer is not a new small-tier answer
+        if self.relabeler is not None and fresh and plan.caller.endpoint == "chat.completions":
+            self.relabeler.offer(plan, outcome)
 
-    async def _store(self, gen: Generation, route: RouteDecision) -> None:
+    async def _store(self, plan: Plan, route: RouteDecision) -> None:
         store = self.prompts
         assert store is not None
-        for conversation in gen.conversations:
+        for conversation in plan.conversations:
             await anyio.to_thread.run_sync(
-                store.add, gen.principal.tenant_id, gen.request_id, conversation, route.p_small_ok, route.tier
+                store.add, plan.caller.principal.tenant_id, plan.request_id, conversation, route.p_small_ok, route.tier
             )
 
     def _spawn(self, work: Coroutine[object, object, None], name: str) -> None:

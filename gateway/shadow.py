@@ -30,7 +30,7 @@ import random
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
@@ -41,11 +41,13 @@ from engines.protocol import EngineUnavailable, TierEngine
 from engines.request import EngineRequest, FinishReason
 from engines.sampling import SamplingParams
 from gateway.errors import from_budget
-from gateway.ledger import Ledger, UsageRecord
+from gateway.ledger import Ledger
 from gateway.metrics import Metrics
+from gateway.pipeline.metering import Meter, ShadowUsage
+from gateway.pipeline.plan import Outcome, Plan
 from grading.graders import judge_messages, parse_verdict
-from policies.budgets import BudgetError, Budgets
-from policies.pricing import Tokens, charge_shadow, worst_case
+from policies.budgets import BudgetError, Budgets, Reservation
+from policies.pricing import Tokens, worst_case
 from policies.store import Versioned
 from router_model.features import split_conversation
 from router_model.label import JUDGE_MAX_TOKENS, MAX_TOKENS, tier_model
@@ -79,6 +81,23 @@ class ShadowJob:
     small_finish: str | None
     max_tokens: int  # what the live request was allowed
 
+    @classmethod
+    def of(cls, plan: Plan, outcome: Outcome) -> ShadowJob:
+        """The job for a routed chat request's first answer, as it went out."""
+        caller = plan.caller
+        return cls(
+            request_id=caller.request_id,
+            endpoint=caller.endpoint,
+            tenant_id=caller.principal.tenant_id,
+            key_id=caller.principal.key_id,
+            policy=caller.policy,
+            messages=[{"role": str(m["role"]), "content": str(m["content"])} for m in plan.conversations[0]],
+            small_text=outcome.texts[0],
+            small_tokens=outcome.choice_tokens[0],
+            small_finish=outcome.finish_reasons[0],
+            max_tokens=plan.work.requests[0].params.max_tokens,
+        )
+
 
 @dataclass
 class _Answer:
@@ -87,6 +106,14 @@ class _Answer:
     tokens: int = 0
     cached: int = 0
     finish: str = "rejected"  # not run: too long for the tier
+
+
+@dataclass
+class _Spent:
+    """What a shadow run's two generations ran so far: what its ledger row counts."""
+
+    large: _Answer = field(default_factory=_Answer)
+    judge: _Answer = field(default_factory=_Answer)
 
 
 class _Failed(Exception):
@@ -109,9 +136,8 @@ class Relabeler:
     ) -> None:
         self.engines = engines
         self.settings = settings
-        self.ledger = ledger
         self.budgets = budgets
-        self.metrics = metrics
+        self.meter = Meter(ledger, budgets, metrics)
         self.path = labels_path(settings.home_dir)
         self._rng = rng or random.Random()
         self._append_lock = threading.Lock()  # rows from concurrent runs never interleave
@@ -122,6 +148,11 @@ class Relabeler:
         share = policy.policy.router.shadow_share
         large = self.engines.get(LARGE)
         return served_by == SMALL and share > 0 and large is not None and large.alive and self._rng.random() < share
+
+    def offer(self, plan: Plan, outcome: Outcome) -> None:
+        """A routed chat request's fresh answer, once it went out: shadow-run it if it is drawn (`wants`)."""
+        if self.wants(plan.caller.policy, outcome.served.name):
+            self.submit(ShadowJob.of(plan, outcome))
 
     def submit(self, job: ShadowJob) -> None:
         """Start the run in the background; the caller's response is already out."""
@@ -149,45 +180,16 @@ class Relabeler:
             engine.check(prompt, max_tokens)
         except RequestRejected:
             return None  # too long for the large tier: nothing to compare with
-        policy = job.policy.policy
-        billed = policy.router.shadow_billed
+        billed = job.policy.policy.router.shadow_billed
         reservation = None
         if billed:
-            judge_prompt = len(prompt) + max_tokens + job.small_tokens + JUDGE_TEMPLATE_TOKENS
-            completion = max_tokens + JUDGE_MAX_TOKENS
-            money = worst_case(policy, LARGE, len(prompt) + judge_prompt, completion)
-            try:
-                reservation = await self.budgets.admit(
-                    rid, policy, job.tenant_id, job.key_id, money, len(prompt) + judge_prompt + completion
-                )
-            except BudgetError as exc:  # over budget, rate-limited, counters down: relabeling waits for another request
-                log.info("shadow run for %s skipped: %s", job.request_id, from_budget(exc).code)
+            reservation = await self._reserve(job, rid, len(prompt), max_tokens)
+            if reservation is None:
                 return None
-        large, judge, status = _Answer(), _Answer(), "ok"
+        spent, status = _Spent(), "ok"
         small_ok, verdict = False, None
         try:
-            try:
-                large = await self._generate(engine, f"{rid}-large", prompt, max_tokens, job.tenant_id)
-            except _Failed as failed:
-                large = failed.answer
-                raise
-            if large.text.strip() == job.small_text.strip():
-                small_ok, verdict = True, None
-            else:
-                question = split_conversation(job.messages)[0]
-                judging = await anyio.to_thread.run_sync(
-                    engine.tokenizer.encode_chat, judge_messages(question, large.text, job.small_text)
-                )
-                try:
-                    engine.check(judging, JUDGE_MAX_TOKENS)
-                    judge = await self._generate(engine, f"{rid}-judge", judging, JUDGE_MAX_TOKENS, job.tenant_id)
-                except RequestRejected:
-                    judge = _Answer()  # as `router label`: an unread comparison is no "yes"
-                except _Failed as failed:
-                    judge = failed.answer
-                    raise
-                verdict = judge.text
-                small_ok = parse_verdict(judge.text) is True
+            small_ok, verdict = await self._compare(engine, rid, prompt, max_tokens, job, spent)
         except _Failed:
             status = "error"
         except asyncio.CancelledError:
@@ -198,41 +200,113 @@ class Relabeler:
             raise
         finally:
             with anyio.CancelScope(shield=True):  # what ran is written down, however the run ended
-                tokens = Tokens(
-                    prompt=large.prompt_tokens + judge.prompt_tokens,
-                    completion=large.tokens + judge.tokens,
-                    cached_prompt=large.cached + judge.cached,
-                )
-                await self._account(job, rid, tokens, large.finish, max_tokens, status, clock, billed)
-                if reservation is not None:
-                    cost = charge_shadow(policy, LARGE, tokens).cost
-                    await self.budgets.settle(reservation, cost, tokens.prompt + tokens.completion)
+                usage = self._usage(job, rid, spent, max_tokens, status, time.perf_counter() - clock, billed)
+                await self.meter.bill_shadow(usage, reservation)
         if status != "ok":
             return None
-        row: Row = {
+        row = self._row(job, len(prompt), spent, small_ok, verdict, time.perf_counter() - clock, started)
+        await anyio.to_thread.run_sync(self._append, row)
+        return row
+
+    async def _reserve(self, job: ShadowJob, rid: str, prompt: int, max_tokens: int) -> Reservation | None:
+        """A billed run's worst case (answer and judge), reserved like a request's; None if refused."""
+        policy = job.policy.policy
+        judge_prompt = prompt + max_tokens + job.small_tokens + JUDGE_TEMPLATE_TOKENS
+        completion = max_tokens + JUDGE_MAX_TOKENS
+        money = worst_case(policy, LARGE, prompt + judge_prompt, completion)
+        try:
+            return await self.budgets.admit(
+                rid, policy, job.tenant_id, job.key_id, money, prompt + judge_prompt + completion
+            )
+        except BudgetError as exc:  # over budget, rate-limited, counters down: relabeling waits for another request
+            log.info("shadow run for %s skipped: %s", job.request_id, from_budget(exc).code)
+            return None
+
+    async def _compare(
+        self, engine: TierEngine, rid: str, prompt: list[int], max_tokens: int, job: ShadowJob, spent: _Spent
+    ) -> tuple[bool, str | None]:
+        """The large tier's answer, then (unless identical) the judge's verdict on the small tier's:
+        (small_ok, the verdict's text). What ran goes into `spent` as it finishes, failed runs included."""
+        try:
+            spent.large = await self._generate(engine, f"{rid}-large", prompt, max_tokens, job.tenant_id)
+        except _Failed as failed:
+            spent.large = failed.answer
+            raise
+        if spent.large.text.strip() == job.small_text.strip():
+            return True, None
+        question = split_conversation(job.messages)[0]
+        judging = await anyio.to_thread.run_sync(
+            engine.tokenizer.encode_chat, judge_messages(question, spent.large.text, job.small_text)
+        )
+        try:
+            engine.check(judging, JUDGE_MAX_TOKENS)
+            spent.judge = await self._generate(engine, f"{rid}-judge", judging, JUDGE_MAX_TOKENS, job.tenant_id)
+        except RequestRejected:
+            spent.judge = _Answer()  # as `router label`: an unread comparison is no "yes"
+        except _Failed as failed:
+            spent.judge = failed.answer
+            raise
+        return parse_verdict(spent.judge.text) is True, spent.judge.text
+
+    def _usage(
+        self, job: ShadowJob, rid: str, spent: _Spent, max_tokens: int, status: str, seconds: float, billed: bool
+    ) -> ShadowUsage:
+        large, judge = spent.large, spent.judge
+        tier = self.settings.tiers.get(LARGE)
+        return ShadowUsage(
+            request_id=rid,
+            endpoint=job.endpoint,
+            tenant_id=job.tenant_id,
+            key_id=job.key_id,
+            policy=job.policy,
+            tier=LARGE,
+            model=tier.model if tier else LARGE,
+            tokens=Tokens(
+                prompt=large.prompt_tokens + judge.prompt_tokens,
+                completion=large.tokens + judge.tokens,
+                cached_prompt=large.cached + judge.cached,
+            ),
+            finish_reason=large.finish,
+            max_tokens=max_tokens,
+            status=status,
+            seconds=seconds,
+            billed=billed,
+        )
+
+    def _row(
+        self,
+        job: ShadowJob,
+        prompt: int,
+        spent: _Spent,
+        small_ok: bool,
+        verdict: str | None,
+        seconds: float,
+        started: float,
+    ) -> Row:
+        """The label row, in `router label`'s format plus the live request's."""
+        large, judge, tiers = spent.large, spent.judge, self.settings.tiers
+        return {
             "id": f"live/{job.request_id}",
             "source": "live",
             "small_ok": small_ok,
             "large_ok": True,  # the reference, as for open chat in `router label`
             "label": small_ok,
-            "prompt_tokens": len(prompt),
+            "prompt_tokens": prompt,
             "small_tokens": job.small_tokens,
             "large_tokens": large.tokens,
             "small_finish": job.small_finish,
             "large_finish": large.finish,
-            "seconds": round(time.perf_counter() - clock, 3),
+            "seconds": round(seconds, 3),
             "judge": verdict,
             "judge_prompt_tokens": judge.prompt_tokens,
             "judge_tokens": judge.tokens,
-            "small_model": tier_model(self.settings.tiers[SMALL]) if SMALL in self.settings.tiers else SMALL,
-            "large_model": tier_model(self.settings.tiers[LARGE]) if LARGE in self.settings.tiers else LARGE,
+            "small_model": tier_model(tiers[SMALL]) if SMALL in tiers else SMALL,
+            "large_model": tier_model(tiers[LARGE]) if LARGE in tiers else LARGE,
             "messages": job.messages,
             "request_id": job.request_id,
             "tenant_id": job.tenant_id,
             "started": started,
         }
-        await anyio.to_thread.run_sync(self._append, row)
-        return row
 
     async def _generate(
         self, engine: TierEngine, request_id: str, prompt: list[int], max_tokens: int, tenant_id: int
@@ -269,47 +343,6 @@ class Relabeler:
         if failed or last is None or last.finish_reason in (FinishReason.ABORT, FinishReason.ERROR):
             raise _Failed(answer)
         return answer
-
-    async def _account(
-        self,
-        job: ShadowJob,
-        rid: str,
-        tokens: Tokens,
-        finish: str,
-        max_tokens: int,
-        status: str,
-        clock: float,
-        billed: bool,
-    ) -> None:
-        seconds = time.perf_counter() - clock
-        if billed:
-            price = charge_shadow(job.policy.policy, LARGE, tokens)
-        else:  # the operator's: nothing on the tenant's tokens or money (see the module's docstring)
-            tokens = Tokens(prompt=0, completion=0)
-            price = charge_shadow(job.policy.policy, LARGE, tokens)
-        tier = self.settings.tiers.get(LARGE)
-        rec = UsageRecord(
-            request_id=rid,
-            tenant_id=job.tenant_id,
-            api_key_id=job.key_id,
-            endpoint=job.endpoint,
-            model=tier.model if tier else LARGE,
-            tier=LARGE,
-            prompt_tokens=tokens.prompt,
-            completion_tokens=tokens.completion,
-            latency_ms=round(seconds * 1000),
-            status=status,
-            finish_reason=finish,
-            cached_prompt_tokens=tokens.cached_prompt,
-            effective_max_tokens=max_tokens,
-            cache_status="bypass",
-            route="shadow",
-            policy_version=job.policy.version,
-            **price.ledger_fields(),  # saved_verifier and saved_policy: 0, nothing cut a shadow run
-        )
-        if self.metrics is not None:
-            self.metrics.record_request(rec, None, seconds)
-        await self.ledger.write(rec)
 
     def _append(self, row: Row) -> None:
         with self._append_lock, open_appender(self.path) as append:

@@ -86,7 +86,7 @@ def compile_for_h100(
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(cache_dir)}
     done = subprocess.run(
         [sys.executable, "-c", _COMPILE, module, json.dumps(cases)],
-        cwd=Path(__file__).resolve().parents[3],  # the repository root
+        cwd=Path(__file__).resolve().parents[1],
         env=env,
         capture_output=True,
         text=True,

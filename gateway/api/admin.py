@@ -10,12 +10,13 @@ from datetime import datetime
 from typing import Literal
 
 import anyio
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
 from core import audit
 from gateway.api.params import KeyPrefix, TenantFilter, TenantName
 from gateway.auth import AdminPrincipal, visible_tenant
+from gateway.deps import DatabaseDep, PipelineDep
 from gateway.errors import APIError, documented
 from gateway.tenants import TenantError, create_key, create_tenant, list_keys, list_tenants, revoke_key
 
@@ -68,26 +69,26 @@ class AuditOut(BaseModel):
 
 
 @router.get("/engine/stats")
-async def engine_stats(request: Request, _: AdminPrincipal) -> dict[str, dict]:
+async def engine_stats(pipeline: PipelineDep, _: AdminPrincipal) -> dict[str, dict]:
     """Per tier: queue depth, running sequences, KV-cache use, prefix-cache hits, step times. Counts only."""
-    engines = request.app.state.pipeline.engines
+    engines = pipeline.engines
     return {name: {"alive": e.alive, **e.stats().as_dict()} for name, e in engines.items()}
 
 
 @router.get("/admin/tenants", response_model=list[TenantOut])
-async def tenants(request: Request, principal: AdminPrincipal) -> list[TenantOut]:
+async def tenants(db: DatabaseDep, principal: AdminPrincipal) -> list[TenantOut]:
     only = None if principal.operator else principal.tenant_id
-    rows = await anyio.to_thread.run_sync(list_tenants, request.app.state.db, only)
+    rows = await anyio.to_thread.run_sync(list_tenants, db, only)
     return [TenantOut(id=t.id, name=t.name, operator=t.is_operator, created_at=t.created_at) for t in rows]
 
 
 @router.post("/admin/tenants", response_model=IssuedKeyOut, status_code=201, responses=documented(400, 409))
-async def new_tenant(body: NewTenant, request: Request, principal: AdminPrincipal) -> IssuedKeyOut:
+async def new_tenant(body: NewTenant, db: DatabaseDep, principal: AdminPrincipal) -> IssuedKeyOut:
     if not principal.operator:
         raise APIError(403, "Only the operator's admin keys create tenants.", code="insufficient_role")
     try:
         issued = await anyio.to_thread.run_sync(
-            lambda: create_tenant(request.app.state.db, body.name, operator=body.operator, actor=principal.actor)
+            lambda: create_tenant(db, body.name, operator=body.operator, actor=principal.actor)
         )
     except TenantError as exc:
         raise APIError(409 if "exists" in str(exc) else 422, str(exc), param="name", code="invalid_tenant") from None
@@ -95,8 +96,7 @@ async def new_tenant(body: NewTenant, request: Request, principal: AdminPrincipa
 
 
 @router.get("/admin/tenants/{tenant}/keys", response_model=list[KeyOut], responses=documented(404))
-async def keys(tenant: TenantName, request: Request, principal: AdminPrincipal) -> list[KeyOut]:
-    db = request.app.state.db
+async def keys(tenant: TenantName, db: DatabaseDep, principal: AdminPrincipal) -> list[KeyOut]:
     t = await anyio.to_thread.run_sync(visible_tenant, db, principal, tenant)
     rows = await anyio.to_thread.run_sync(list_keys, db, t.id)
     return [KeyOut(prefix=k.prefix, role=k.role, created_at=k.created_at, revoked_at=k.revoked_at) for k in rows]
@@ -105,29 +105,25 @@ async def keys(tenant: TenantName, request: Request, principal: AdminPrincipal) 
 @router.post(
     "/admin/tenants/{tenant}/keys", response_model=IssuedKeyOut, status_code=201, responses=documented(400, 404)
 )
-async def new_key(tenant: TenantName, body: NewKey, request: Request, principal: AdminPrincipal) -> IssuedKeyOut:
-    db = request.app.state.db
+async def new_key(tenant: TenantName, body: NewKey, db: DatabaseDep, principal: AdminPrincipal) -> IssuedKeyOut:
     t = await anyio.to_thread.run_sync(visible_tenant, db, principal, tenant)
     issued = await anyio.to_thread.run_sync(lambda: create_key(db, t.name, body.role, actor=principal.actor))
     return IssuedKeyOut(**issued.__dict__)
 
 
 @router.delete("/admin/keys/{prefix}", status_code=204, responses=documented(404))
-async def revoke(prefix: KeyPrefix, request: Request, principal: AdminPrincipal) -> None:
+async def revoke(prefix: KeyPrefix, db: DatabaseDep, principal: AdminPrincipal) -> None:
     scope = None if principal.operator else principal.tenant_id
     try:
-        await anyio.to_thread.run_sync(
-            lambda: revoke_key(request.app.state.db, prefix, actor=principal.actor, tenant_id=scope)
-        )
+        await anyio.to_thread.run_sync(lambda: revoke_key(db, prefix, actor=principal.actor, tenant_id=scope))
     except TenantError as exc:
         raise APIError(404, str(exc), param="prefix", code="key_not_found") from None
 
 
 @router.get("/admin/audit", response_model=list[AuditOut], responses=documented(404))
 async def audit_log(
-    request: Request, principal: AdminPrincipal, tenant: TenantFilter = None, limit: int = 100
+    db: DatabaseDep, principal: AdminPrincipal, tenant: TenantFilter = None, limit: int = 100
 ) -> list[AuditOut]:
-    db = request.app.state.db
     if tenant is not None:
         tenant_id: int | None = (await anyio.to_thread.run_sync(visible_tenant, db, principal, tenant)).id
     else:

@@ -10,11 +10,13 @@ from datetime import date
 from typing import Any
 
 import anyio
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import APIRouter, Query, Response
 
+from core.db.database import Database
 from gateway import reports
 from gateway.api.params import IsoDate, TenantFilter
 from gateway.auth import CurrentPrincipal, FinancePrincipal, visible_tenant
+from gateway.deps import DatabaseDep
 from gateway.errors import APIError, documented
 from gateway.tenants import Principal
 
@@ -23,9 +25,9 @@ router = APIRouter(prefix="/v1", tags=["finance"], responses=documented(401, 413
 GROUPS = ("day", "tier", "model")
 
 
-async def _scope(request: Request, principal: Principal, tenant: str | None) -> list[int] | None:
+async def _scope(db: Database, principal: Principal, tenant: str | None) -> list[int] | None:
     if tenant is not None:
-        return [(await anyio.to_thread.run_sync(visible_tenant, request.app.state.db, principal, tenant)).id]
+        return [(await anyio.to_thread.run_sync(visible_tenant, db, principal, tenant)).id]
     return None if principal.operator else [principal.tenant_id]
 
 
@@ -47,7 +49,7 @@ def _json(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 @router.get("/finance/costs", responses=documented(403, 404))
 async def costs(
-    request: Request,
+    db: DatabaseDep,
     principal: FinancePrincipal,
     tenant: TenantFilter = None,
     start: IsoDate | None = None,
@@ -56,8 +58,8 @@ async def costs(
 ) -> dict[str, Any]:
     """Cost by tenant and day / tier / model, with tokens by kind and the always-large counterfactual."""
     _range(start, end)
-    ids, groups = await _scope(request, principal, tenant), _groups(group_by)
-    rows = await anyio.to_thread.run_sync(reports.costs, request.app.state.db, ids, start, end, groups)
+    ids, groups = await _scope(db, principal, tenant), _groups(group_by)
+    rows = await anyio.to_thread.run_sync(reports.costs, db, ids, start, end, groups)
     return {"object": "list", "data": _json(rows)}
 
 
@@ -67,7 +69,7 @@ async def costs(
     responses={200: {"content": {"text/csv": {"schema": {"type": "string"}}}}, **documented(403, 404)},
 )
 async def costs_csv(
-    request: Request,
+    db: DatabaseDep,
     principal: FinancePrincipal,
     tenant: TenantFilter = None,
     start: IsoDate | None = None,
@@ -75,8 +77,8 @@ async def costs_csv(
     group_by: str = "day",
 ) -> Response:
     _range(start, end)
-    ids, groups = await _scope(request, principal, tenant), _groups(group_by)
-    rows = await anyio.to_thread.run_sync(reports.costs, request.app.state.db, ids, start, end, groups)
+    ids, groups = await _scope(db, principal, tenant), _groups(group_by)
+    rows = await anyio.to_thread.run_sync(reports.costs, db, ids, start, end, groups)
     return Response(
         reports.to_csv(rows),
         media_type="text/csv",
@@ -86,7 +88,7 @@ async def costs_csv(
 
 @router.get("/finance/savings", responses=documented(403, 404))
 async def savings(
-    request: Request,
+    db: DatabaseDep,
     principal: FinancePrincipal,
     tenant: TenantFilter = None,
     start: IsoDate | None = None,
@@ -94,18 +96,16 @@ async def savings(
 ) -> dict[str, Any]:
     """Per tenant: cost, the always-large counterfactual, and the saving split by lever."""
     _range(start, end)
-    ids = await _scope(request, principal, tenant)
-    rows = await anyio.to_thread.run_sync(reports.savings, request.app.state.db, ids, start, end)
+    ids = await _scope(db, principal, tenant)
+    rows = await anyio.to_thread.run_sync(reports.savings, db, ids, start, end)
     return {"object": "list", "data": _json(rows)}
 
 
 @router.get("/usage")
 async def own_usage(
-    request: Request, principal: CurrentPrincipal, start: IsoDate | None = None, end: IsoDate | None = None
+    db: DatabaseDep, principal: CurrentPrincipal, start: IsoDate | None = None, end: IsoDate | None = None
 ) -> dict[str, Any]:
     """The calling key's tenant's cost and tokens by day and tier; never another tenant's."""
     _range(start, end)
-    rows = await anyio.to_thread.run_sync(
-        reports.costs, request.app.state.db, [principal.tenant_id], start, end, ("day", "tier")
-    )
+    rows = await anyio.to_thread.run_sync(reports.costs, db, [principal.tenant_id], start, end, ("day", "tier"))
     return {"object": "list", "data": _json(rows)}

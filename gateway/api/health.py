@@ -6,12 +6,13 @@ from collections.abc import Mapping
 from typing import Literal
 
 import anyio
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from core.settings import TierSettings
 from engines.protocol import TierEngine
+from gateway.deps import ServicesDep, SettingsDep
 
 router = APIRouter(tags=["health"])
 
@@ -29,17 +30,16 @@ class Health(BaseModel):
 
 
 @router.get("/healthz", response_model=Health, responses={503: {"model": Health, "description": "Something is down"}})
-async def healthz(request: Request) -> JSONResponse:
-    state = request.app.state
+async def healthz(services: ServicesDep, settings: SettingsDep) -> JSONResponse:
     try:
-        await anyio.to_thread.run_sync(state.db.ping)
+        await anyio.to_thread.run_sync(services.db.ping)
         database = "ok"
     except Exception as exc:  # report, don't raise: this endpoint exists to say what is wrong
         database = f"unreachable: {type(exc).__name__}"
-    running = state.pipeline.engines
+    running = services.pipeline.engines
     engines = {name: _engine_health(e) for name, e in running.items()}
     # A tier that is down while a live fallback serves its requests does not make the gateway unhealthy.
-    healthy = database == "ok" and all(_serves(name, running, state.settings.tiers) for name in running)
+    healthy = database == "ok" and all(_serves(name, running, settings.tiers) for name in running)
     body = {"status": "ok" if healthy else "degraded", "database": database, "engines": engines}
     return JSONResponse(body, status_code=200 if healthy else 503)
 

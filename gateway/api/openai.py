@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
+from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -16,9 +17,10 @@ from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
 from gateway.auth import CurrentPrincipal
+from gateway.deps import PipelineDep, StartedDep
 from gateway.errors import APIError, documented
 from gateway.logging_setup import request_id_var
-from gateway.pipeline import ChoiceDelta, Generation, Pipeline, model_not_found
+from gateway.pipeline import Answer, ChoiceDelta, Generation, Pipeline, model_not_found
 from gateway.routing import AUTO
 from gateway.schemas import (
     ChatChoice,
@@ -64,15 +66,13 @@ def verifiers_header(actions: list[dict]) -> str:
     return ",".join(f"{a['choice']}:{a['verifier']}:{a['action']}@{a['tokens']}" for a in actions) or "none"
 
 
-def _pipeline(request: Request) -> Pipeline:
-    return request.app.state.pipeline
-
-
 @router.post(
     "/chat/completions", response_model=ChatCompletion, responses=_generation_responses("chat.completion.chunk")
 )
-async def chat_completions(body: ChatCompletionRequest, request: Request, principal: CurrentPrincipal) -> Response:
-    gen = await _pipeline(request).start_chat(principal, body, request.headers.get(CACHE_CONTROL))
+async def chat_completions(
+    body: ChatCompletionRequest, request: Request, principal: CurrentPrincipal, pipeline: PipelineDep
+) -> Response:
+    gen = await pipeline.start_chat(principal, body, request.headers.get(CACHE_CONTROL))
 
     def result(gen: Generation, texts: list[str], reasons: list[str | None]) -> ChatCompletion:
         choices = [
@@ -81,12 +81,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, princi
         ]
         return ChatCompletion(id=gen.request_id, created=gen.created, model=gen.model, choices=choices, usage=gen.usage)
 
-    return await _respond(request, gen, body, _chat_events, result)
+    return await _respond(request, pipeline, gen, body, _chat_events, result)
 
 
 @router.post("/completions", response_model=Completion, responses=_generation_responses("text_completion"))
-async def completions(body: CompletionRequest, request: Request, principal: CurrentPrincipal) -> Response:
-    gen = await _pipeline(request).start_completion(principal, body, request.headers.get(CACHE_CONTROL))
+async def completions(
+    body: CompletionRequest, request: Request, principal: CurrentPrincipal, pipeline: PipelineDep
+) -> Response:
+    gen = await pipeline.start_completion(principal, body, request.headers.get(CACHE_CONTROL))
 
     def result(gen: Generation, texts: list[str], reasons: list[str | None]) -> Completion:
         choices = [
@@ -95,78 +97,60 @@ async def completions(body: CompletionRequest, request: Request, principal: Curr
         ]
         return Completion(id=gen.request_id, created=gen.created, model=gen.model, choices=choices, usage=gen.usage)
 
-    return await _respond(request, gen, body, _completion_events, result)
+    return await _respond(request, pipeline, gen, body, _completion_events, result)
 
 
 async def _respond(
     request: Request,
+    pipeline: Pipeline,
     gen: Generation,
     body: ChatCompletionRequest | CompletionRequest,
     events: Callable[[Generation, bool], AsyncIterator[str]],
     result: Callable[[Generation, list[str], list[str | None]], BaseModel],
 ) -> Response:
     """Stream SSE, or run to the end (aborting if the client leaves) and answer with `result`."""
-    headers = {"x-request-id": gen.request_id, "x-switchboard-cache": gen.cache.header}
+    plan = gen.plan
+    headers = {"x-request-id": gen.request_id, "x-switchboard-cache": plan.cache.header}
     request_id_var.set(gen.request_id)  # from here on, log lines carry the id of the response and the ledger row
-    if gen.cache.answer is not None:  # which of this tenant's earlier requests answered it
-        headers["x-switchboard-cache-source"] = gen.cache.answer.request_id
-    if gen.route is not None:
-        headers[ROUTE_P_HEADER] = f"{gen.route.p_small_ok:.3f}"
-
-    async def closed() -> None:  # the stream ended, however: bill or release, then what follows a response
-        await gen.abandon()
-        await gen.after_response()
-
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        try:
-            if gen.cache.answer is None:  # before the headers: the tier that serves (a fallback?) goes in them
-                await until_disconnect(request, gen.begin())
-        except BaseException as exc:
-            await gen.abandon()  # bills what ran, or gives the reservation back
-            if isinstance(exc, ClientDisconnected):
-                return Response(status_code=499)
-            raise
-        headers[TIER_HEADER] = gen.tier
-        return EventStreamResponse(events(gen, include_usage), headers=headers, on_close=closed)
+    if plan.cache.answer is not None:  # which of this tenant's earlier requests answered it
+        headers["x-switchboard-cache-source"] = plan.cache.answer.request_id
+    if plan.route is not None:
+        headers[ROUTE_P_HEADER] = f"{plan.route.p_small_ok:.3f}"
+    watch = partial(until_disconnect, request)
     try:
-        # A cached answer is ready at once: no generation to abort, so no disconnect watcher to start.
-        work = _collect(gen)
-        texts, reasons = await (work if gen.cache.answer is not None else until_disconnect(request, work))
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            await gen.begin_stream(watch)  # before the headers: the tier that serves (a fallback?) goes in them
+            headers[TIER_HEADER] = gen.tier
+            return EventStreamResponse(events(gen, include_usage), headers=headers, on_close=gen.close)
+        answer = await pipeline.complete(gen, body, watch)
     except ClientDisconnected:
         return Response(status_code=499)  # nobody is listening; the status is for the access log
-    finally:
-        await gen.abandon()  # a no-op once it ran
-    if gen.hooks:
-        headers[VERIFIERS_HEADER] = verifiers_header(gen.verifier_actions)
-    if gen.escalation is not None:  # the policy's cascade: the failed answer is retried on a larger tier
-        first = gen
-        try:
-            gen = await _pipeline(request).escalate(first, body)
-            try:
-                texts, reasons = await until_disconnect(request, _collect(gen))
-            finally:
-                await gen.abandon()
-            headers[CASCADE_HEADER] = f"{first.tier}>{gen.tier}; first={first.request_id}"
-            headers["x-request-id"] = gen.request_id
-        except ClientDisconnected:
-            return Response(status_code=499)
-        except APIError as exc:  # the larger tier refused (budget, rate limit, down): the first answer stands
-            gen = first
-            headers[CASCADE_HEADER] = f"{first.tier}; not escalated: {exc.code or exc.status}"
-    headers[TIER_HEADER] = gen.tier
-    body_json = result(gen, texts, reasons).model_dump_json()
+    _answer_headers(answer, headers)
+    final = answer.generation
+    body_json = result(final, answer.texts, answer.reasons).model_dump_json()
     # after_response runs once the body is sent (Starlette's background task), never on the request's path
     return Response(
-        body_json, media_type="application/json", headers=headers, background=BackgroundTask(gen.after_response)
+        body_json, media_type="application/json", headers=headers, background=BackgroundTask(final.after_response)
     )
 
 
+def _answer_headers(answer: Answer, headers: dict[str, str]) -> None:
+    """What the verifiers did to the first answer, the cascade's retry if there was one, and the tier."""
+    first, final = answer.first, answer.generation
+    if first.plan.checks.hooks:
+        headers[VERIFIERS_HEADER] = verifiers_header(first.verifier_actions)
+    if answer.refused is not None:  # the larger tier refused (budget, rate limit, down): the first answer stands
+        headers[CASCADE_HEADER] = f"{first.tier}; not escalated: {answer.refused}"
+    elif answer.escalated:  # the policy's cascade: the failed answer was retried on a larger tier
+        headers[CASCADE_HEADER] = f"{first.tier}>{final.tier}; first={first.request_id}"
+        headers["x-request-id"] = final.request_id
+    headers[TIER_HEADER] = final.tier
+
+
 @router.get("/models", response_model=ModelList)
-async def list_models(request: Request, principal: CurrentPrincipal) -> ModelList:
+async def list_models(principal: CurrentPrincipal, pipeline: PipelineDep, created: StartedDep) -> ModelList:
     """The tiers this tenant's policy allows, and `auto` (the router picks) when a router is loaded."""
-    created = request.app.state.started
-    pipeline = _pipeline(request)
     policy = (await pipeline.policy(principal)).policy
     names = [name for name in pipeline.engines if policy.allows(name)]
     if pipeline.routing.offered(policy):
@@ -175,23 +159,12 @@ async def list_models(request: Request, principal: CurrentPrincipal) -> ModelLis
 
 
 @router.get("/models/{model}", response_model=ModelCard, responses=documented(404))
-async def get_model(model: str, request: Request, principal: CurrentPrincipal) -> ModelCard:
-    pipeline = _pipeline(request)
+async def get_model(model: str, principal: CurrentPrincipal, pipeline: PipelineDep, created: StartedDep) -> ModelCard:
     policy = (await pipeline.policy(principal)).policy
     served = model in pipeline.engines and policy.allows(model)
     if not served and not (model == AUTO and pipeline.routing.offered(policy)):
         raise model_not_found(model)
-    return ModelCard(id=model, created=request.app.state.started)
-
-
-async def _collect(gen: Generation) -> tuple[list[str], list[str | None]]:
-    texts = [""] * gen.num_choices
-    reasons: list[str | None] = [None] * gen.num_choices
-    async with aclosing(gen.events()) as events:
-        async for delta in events:
-            texts[delta.index] += delta.text
-            reasons[delta.index] = delta.finish_reason or reasons[delta.index]
-    return texts, reasons
+    return ModelCard(id=model, created=created)
 
 
 async def _chat_events(gen: Generation, include_usage: bool) -> AsyncIterator[str]:

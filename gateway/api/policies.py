@@ -10,7 +10,7 @@ from datetime import datetime
 from typing import Annotated, Any
 
 import anyio
-from fastapi import APIRouter, Body, Request
+from fastapi import APIRouter, Body
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
@@ -18,7 +18,9 @@ from sqlalchemy.exc import IntegrityError
 from core.db.models import Usage
 from gateway.api.params import TenantName
 from gateway.auth import AdminPrincipal, PolicyReader, visible_tenant
+from gateway.deps import DatabaseDep, PipelineDep, PolicyStoreDep
 from gateway.errors import APIError, documented
+from gateway.pipeline import Pipeline
 from policies.dry_run import replay
 from policies.policy import Policy
 from policies.store import PolicyError
@@ -72,9 +74,8 @@ def validate_policy(body: dict[str, Any], served: list[str], *, probe: bool) -> 
     return policy
 
 
-def served_policy(body: dict[str, Any], request: Request) -> Policy:
+def served_policy(body: dict[str, Any], pipeline: Pipeline) -> Policy:
     """`validate_policy` against what this gateway serves: its tiers, and whether it has a probe."""
-    pipeline = request.app.state.pipeline
     return validate_policy(body, list(pipeline.engines), probe=pipeline.probe is not None)
 
 
@@ -101,20 +102,24 @@ def _invalid(problems: list[tuple[tuple, str]]) -> APIError:
 
 
 @router.get("", response_model=PolicyOut)
-async def current(tenant: TenantName, request: Request, principal: PolicyReader) -> PolicyOut:
-    t = await anyio.to_thread.run_sync(visible_tenant, request.app.state.db, principal, tenant)
-    v = await anyio.to_thread.run_sync(request.app.state.policies.current, t.id)
+async def current(tenant: TenantName, db: DatabaseDep, store: PolicyStoreDep, principal: PolicyReader) -> PolicyOut:
+    t = await anyio.to_thread.run_sync(visible_tenant, db, principal, tenant)
+    v = await anyio.to_thread.run_sync(store.current, t.id)
     return PolicyOut(tenant=t.name, **v.__dict__)
 
 
 @router.put("", response_model=PolicyOut, responses=documented(400, 409))
-async def update(tenant: TenantName, body: PolicyBody, request: Request, principal: AdminPrincipal) -> PolicyOut:
-    t = await anyio.to_thread.run_sync(visible_tenant, request.app.state.db, principal, tenant)
+async def update(
+    tenant: TenantName,
+    body: PolicyBody,
+    db: DatabaseDep,
+    store: PolicyStoreDep,
+    pipeline: PipelineDep,
+    principal: AdminPrincipal,
+) -> PolicyOut:
+    t = await anyio.to_thread.run_sync(visible_tenant, db, principal, tenant)
     note = _note(body.pop("note", "")) if isinstance(body, dict) else ""
-    policy = validate_policy(
-        body, list(request.app.state.pipeline.engines), probe=request.app.state.pipeline.probe is not None
-    )
-    store = request.app.state.policies
+    policy = served_policy(body, pipeline)
     try:
         version = await anyio.to_thread.run_sync(lambda: store.save(t.id, policy, principal.actor, note))
     except IntegrityError:
@@ -123,16 +128,19 @@ async def update(tenant: TenantName, body: PolicyBody, request: Request, princip
 
 
 @router.get("/versions", response_model=list[PolicyOut])
-async def versions(tenant: TenantName, request: Request, principal: PolicyReader) -> list[PolicyOut]:
-    t = await anyio.to_thread.run_sync(visible_tenant, request.app.state.db, principal, tenant)
-    rows = await anyio.to_thread.run_sync(request.app.state.policies.history, t.id)
+async def versions(
+    tenant: TenantName, db: DatabaseDep, store: PolicyStoreDep, principal: PolicyReader
+) -> list[PolicyOut]:
+    t = await anyio.to_thread.run_sync(visible_tenant, db, principal, tenant)
+    rows = await anyio.to_thread.run_sync(store.history, t.id)
     return [PolicyOut(tenant=t.name, **v.__dict__) for v in rows]
 
 
 @router.post("/rollback", response_model=PolicyOut, responses=documented(400))
-async def rollback(tenant: TenantName, body: Rollback, request: Request, principal: AdminPrincipal) -> PolicyOut:
-    t = await anyio.to_thread.run_sync(visible_tenant, request.app.state.db, principal, tenant)
-    store = request.app.state.policies
+async def rollback(
+    tenant: TenantName, body: Rollback, db: DatabaseDep, store: PolicyStoreDep, principal: AdminPrincipal
+) -> PolicyOut:
+    t = await anyio.to_thread.run_sync(visible_tenant, db, principal, tenant)
     try:
         version = await anyio.to_thread.run_sync(store.rollback, t.id, body.version, principal.actor)
     except PolicyError as exc:
@@ -141,13 +149,12 @@ async def rollback(tenant: TenantName, body: Rollback, request: Request, princip
 
 
 @router.post("/dry-run", responses=documented(400))
-async def dry_run(tenant: TenantName, body: DryRunIn, request: Request, principal: AdminPrincipal) -> dict[str, Any]:
+async def dry_run(
+    tenant: TenantName, body: DryRunIn, db: DatabaseDep, pipeline: PipelineDep, principal: AdminPrincipal
+) -> dict[str, Any]:
     """Replay the tenant's most recent requests under `policy`: what it would refuse, cap and cost."""
-    db = request.app.state.db
     t = await anyio.to_thread.run_sync(visible_tenant, db, principal, tenant)
-    policy = validate_policy(
-        body.policy, list(request.app.state.pipeline.engines), probe=request.app.state.pipeline.probe is not None
-    )
+    policy = served_policy(body.policy, pipeline)
 
     def rows() -> list[Usage]:
         with db.session() as s:

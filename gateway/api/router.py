@@ -6,10 +6,11 @@ own tenant's window only.
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
 from gateway.auth import AdminPrincipal
+from gateway.deps import PipelineDep
 from gateway.errors import documented
 
 router = APIRouter(prefix="/v1", tags=["admin"], responses=documented(401, 403, 413, 422, 503))
@@ -42,7 +43,7 @@ class RouterStats(BaseModel):
 
 
 @router.get("/admin/router", response_model=RouterStats)
-async def router_stats(request: Request, principal: AdminPrincipal) -> RouterStats:
+async def router_stats(pipeline: PipelineDep, principal: AdminPrincipal) -> RouterStats:
     """The loaded router and its drift: large-tier share over the last decisions against the calibrated share."""
     visible = None if principal.operator else {principal.tenant_name}
-    return RouterStats.model_validate(request.app.state.pipeline.routing.stats(visible))
+    return RouterStats.model_validate(pipeline.routing.stats(visible))

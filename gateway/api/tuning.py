@@ -15,6 +15,7 @@ from sqlalchemy.exc import IntegrityError
 
 from gateway.api.params import TenantName
 from gateway.auth import AdminPrincipal, PolicyReader, visible_tenant
+from gateway.deps import DatabaseDep, ProposalStoreDep
 from gateway.errors import APIError, documented
 from policies.proposals import Proposal, ProposalError
 
@@ -65,17 +66,26 @@ def _error(exc: ProposalError) -> APIError:
 
 
 @router.get("", response_model=list[ProposalOut])
-async def proposals(tenant: TenantName, request: Request, principal: PolicyReader) -> list[ProposalOut]:
-    t = await anyio.to_thread.run_sync(visible_tenant, request.app.state.db, principal, tenant)
-    rows = await anyio.to_thread.run_sync(request.app.state.proposals.list, t.id)
+async def proposals(
+    tenant: TenantName, request: Request, db: DatabaseDep, store: ProposalStoreDep, principal: PolicyReader
+) -> list[ProposalOut]:
+    t = await anyio.to_thread.run_sync(visible_tenant, db, principal, tenant)
+    rows = await anyio.to_thread.run_sync(store.list, t.id)
     return [_out(p, t.name, request) for p in rows]
 
 
 @router.get("/{proposal}", response_model=ProposalOut)
-async def proposal(tenant: TenantName, proposal: ProposalId, request: Request, principal: PolicyReader) -> ProposalOut:
-    t = await anyio.to_thread.run_sync(visible_tenant, request.app.state.db, principal, tenant)
+async def proposal(
+    tenant: TenantName,
+    proposal: ProposalId,
+    request: Request,
+    db: DatabaseDep,
+    store: ProposalStoreDep,
+    principal: PolicyReader,
+) -> ProposalOut:
+    t = await anyio.to_thread.run_sync(visible_tenant, db, principal, tenant)
     try:
-        p = await anyio.to_thread.run_sync(request.app.state.proposals.get, t.id, proposal)
+        p = await anyio.to_thread.run_sync(store.get, t.id, proposal)
     except ProposalError as exc:
         raise _error(exc) from None
     return _out(p, t.name, request)
@@ -83,11 +93,11 @@ async def proposal(tenant: TenantName, proposal: ProposalId, request: Request, p
 
 @router.get("/{proposal}/plot.png", response_class=Response, responses={200: {"content": {"image/png": {}}}})
 async def proposal_plot(
-    tenant: TenantName, proposal: ProposalId, request: Request, principal: PolicyReader
+    tenant: TenantName, proposal: ProposalId, db: DatabaseDep, store: ProposalStoreDep, principal: PolicyReader
 ) -> Response:
-    t = await anyio.to_thread.run_sync(visible_tenant, request.app.state.db, principal, tenant)
+    t = await anyio.to_thread.run_sync(visible_tenant, db, principal, tenant)
     try:
-        png = await anyio.to_thread.run_sync(request.app.state.proposals.plot, t.id, proposal)
+        png = await anyio.to_thread.run_sync(store.plot, t.id, proposal)
     except ProposalError as exc:
         raise _error(exc) from None
     if png is None:
@@ -96,12 +106,14 @@ async def proposal_plot(
 
 
 @router.post("/{proposal}/apply", response_model=Applied, responses=documented(409))
-async def apply(tenant: TenantName, proposal: ProposalId, request: Request, principal: AdminPrincipal) -> Applied:
+async def apply(
+    tenant: TenantName, proposal: ProposalId, db: DatabaseDep, store: ProposalStoreDep, principal: AdminPrincipal
+) -> Applied:
     """Make the proposal the tenant's policy: a new version, audited as `policy.tune`. Refused (409) once
     decided, or when the policy has changed since the proposal was tuned from it."""
-    t = await anyio.to_thread.run_sync(visible_tenant, request.app.state.db, principal, tenant)
+    t = await anyio.to_thread.run_sync(visible_tenant, db, principal, tenant)
     try:
-        version = await anyio.to_thread.run_sync(request.app.state.proposals.apply, t.id, proposal, principal.actor)
+        version = await anyio.to_thread.run_sync(store.apply, t.id, proposal, principal.actor)
     except ProposalError as exc:
         raise _error(exc) from None
     except IntegrityError:
@@ -114,11 +126,12 @@ async def reject(
     tenant: TenantName,
     proposal: ProposalId,
     request: Request,
+    db: DatabaseDep,
+    store: ProposalStoreDep,
     principal: AdminPrincipal,
     body: Annotated[RejectIn | None, Body()] = None,
 ) -> ProposalOut:
-    t = await anyio.to_thread.run_sync(visible_tenant, request.app.state.db, principal, tenant)
-    store = request.app.state.proposals
+    t = await anyio.to_thread.run_sync(visible_tenant, db, principal, tenant)
     reason = body.reason if body is not None else ""
     try:
         await anyio.to_thread.run_sync(lambda: store.reject(t.id, proposal, principal.actor, reason))

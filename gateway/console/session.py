@@ -22,6 +22,7 @@ from sqlalchemy import select
 
 from core.db.database import Database
 from core.db.models import ApiKey, Tenant
+from gateway.deps import DatabaseDep, app_config
 from gateway.errors import APIError
 from gateway.tenants import Principal
 
@@ -36,7 +37,8 @@ class SignIn(Exception):
 
 
 def console_secret(request: Request) -> bytes:
-    return request.app.state.console_secret.encode()
+    """The app's console secret, which signs sessions and CSRF tokens."""
+    return app_config(request.app).console_secret.encode()
 
 
 def _sign(secret: bytes, purpose: str, message: str) -> str:
@@ -104,12 +106,12 @@ def set_cookie(request: Request, response: Response, name: str, value: str, max_
     )
 
 
-async def _signed_in(request: Request) -> Principal:
+async def _signed_in(request: Request, db: DatabaseDep) -> Principal:
     token = request.cookies.get(SESSION_COOKIE, "")
     key_id = session_key_id(console_secret(request), token) if token else None
     principal = None
     if key_id is not None:
-        principal = await anyio.to_thread.run_sync(principal_by_key_id, request.app.state.db, key_id)
+        principal = await anyio.to_thread.run_sync(principal_by_key_id, db, key_id)
     if principal is None:
         raise SignIn
     request.state.principal = principal
@@ -118,6 +120,18 @@ async def _signed_in(request: Request) -> Principal:
 
 
 SignedIn = Annotated[Principal, Depends(_signed_in)]
+
+
+def signed_in(request: Request) -> Principal | None:
+    """Who signed in, once `SignedIn` ran for this request; None before (or on the sign-in page)."""
+    principal: Principal | None = getattr(request.state, "principal", None)
+    return principal
+
+
+def page_csrf(request: Request) -> str:
+    """The CSRF token this request's forms carry, once `SignedIn` ran; "" before."""
+    csrf: str = getattr(request.state, "csrf", "")
+    return csrf
 
 
 def _role(role: str) -> Callable[[Principal], Awaitable[Principal]]:
@@ -143,7 +157,7 @@ async def read_form(request: Request) -> dict[str, str]:
 
 async def _posted(request: Request, _: SignedIn) -> dict[str, str]:
     form = await read_form(request)
-    if not same(form.get("csrf", ""), request.state.csrf):
+    if not same(form.get("csrf", ""), request.state.csrf):  # set by SignedIn
         raise APIError(403, "The form's security token is missing or stale; reload the page and try again.")
     return form
 

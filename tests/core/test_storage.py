@@ -64,7 +64,9 @@ def test_more_keys_roles_and_revocation(database: Database) -> None:
 def test_usage_rows_are_unique_per_request(database: Database, tmp_path: Path) -> None:
     issued = create_tenant(database, "acme")
     who = authenticate(database, issued.key)
-    rec = UsageRecord("req-1", who.tenant_id, who.key_id, "chat.completions", "m", "small", 10, 5, 12, "ok", "stop")
+    rec = UsageRecord.from_columns(
+        "req-1", who.tenant_id, who.key_id, "chat.completions", "m", "small", 10, 5, 12, "ok", "stop"
+    )
     recorder = Ledger(database, tmp_path / "spool.jsonl")
     recorder.record(rec)
     with pytest.raises(sa.exc.IntegrityError):
@@ -77,7 +79,9 @@ def test_usage_is_spooled_when_the_database_is_down_and_replayed(database: Datab
     who = authenticate(database, create_tenant(database, "acme").key)
     down = Database("postgresql+psycopg://postgres@127.0.0.1:1/none?connect_timeout=1")
     spool = tmp_path / "spool.jsonl"
-    rec = UsageRecord("req-2", who.tenant_id, who.key_id, "completions", "m", "small", 3, 4, 5, "aborted", "abort")
+    rec = UsageRecord.from_columns(
+        "req-2", who.tenant_id, who.key_id, "completions", "m", "small", 3, 4, 5, "aborted", "abort"
+    )
     Ledger(down, spool).record(rec)
     assert spool.exists()
     recorder = Ledger(database, spool)

@@ -17,6 +17,7 @@ import sqlalchemy as sa
 import services
 from core.db.models import Usage
 from engines.async_engine import AsyncEngine
+from gateway.deps import app_services
 from gateway.tenants import authenticate
 from live import LiveServer, serve_gateway
 from policies.policy import Policy
@@ -47,7 +48,7 @@ def server(
 def tenant_with(live: LiveServer, policy: dict) -> tuple[str, int]:
     key = live.new_key()
     who = authenticate(live.db, key)
-    live.app.state.policies.save(who.tenant_id, Policy.model_validate({**POLICY, **policy}), "test")
+    app_services(live.app).policies.save(who.tenant_id, Policy.model_validate({**POLICY, **policy}), "test")
     return key, who.tenant_id
 
 
@@ -58,7 +59,7 @@ def ledger(live: LiveServer, tenant_id: int) -> list[Usage]:
 
 def counted(live: LiveServer, tenant_id: int) -> tuple[Decimal, int]:
     """What the Redis counters say this tenant spent today."""
-    budgets = live.app.state.budgets
+    budgets = app_services(live.app).budgets
 
     async def read() -> tuple[Decimal, int]:
         from policies.budgets import Budgets

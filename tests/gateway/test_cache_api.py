@@ -16,6 +16,7 @@ import pytest
 
 import services
 from engines.async_engine import AsyncEngine
+from gateway.deps import app_services
 from gateway.tenants import authenticate
 from live import LiveServer, serve_gateway
 from policies.policy import Policy
@@ -40,7 +41,7 @@ def tenant(live: LiveServer, **cache: object) -> tuple[httpx.Client, int]:
     key = live.new_key()
     who = authenticate(live.db, key)
     if cache:
-        live.app.state.policies.save(who.tenant_id, Policy.model_validate({"cache": cache}), "test")
+        app_services(live.app).policies.save(who.tenant_id, Policy.model_validate({"cache": cache}), "test")
     client = httpx.Client(base_url=live.base_url, headers={"Authorization": f"Bearer {key}"}, timeout=120)
     return client, who.tenant_id
 

@@ -21,7 +21,7 @@ POLICY = {"verifiers": {"checks": ["math"], "cascade": True, "cascade_to": "larg
 
 @pytest.fixture(scope="module")
 def live(small_engine: AsyncEngine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    from test_verifiers import apple_answers
+    from answer_samples import apple_answers
 
     from core.settings import Settings
     from gateway.app import create_app

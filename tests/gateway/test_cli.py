@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import replace
 from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
@@ -102,8 +101,10 @@ def test_budgets_reconcile_rewrites_counters_from_the_ledger(
     db = Database(Settings(home=Path(home_env["SWITCHBOARD_HOME"])).database)
     db.upgrade()
     who = authenticate(db, create_tenant(db, "acme").key)
-    rec = UsageRecord("r1", who.tenant_id, who.key_id, "completions", "m", "small", 10, 5, 1, "ok", "stop")
-    Ledger(db, Path(home_env["SWITCHBOARD_HOME"]) / "spool").record(replace(rec, cost=Decimal("0.125")))
+    rec = UsageRecord.from_columns(
+        "r1", who.tenant_id, who.key_id, "completions", "m", "small", 10, 5, 1, "ok", "stop", cost=Decimal("0.125")
+    )
+    Ledger(db, Path(home_env["SWITCHBOARD_HOME"]) / "spool").record(rec)
     done = cli(env, "budgets", "reconcile")
     assert done.returncode == 0 and "rewrote 4 spend counters" in done.stderr, done.stderr
     r = redis.Redis.from_url(redis_server)

@@ -16,6 +16,7 @@ import pytest
 
 from engines.async_engine import AsyncEngine
 from gateway.console.session import csrf_token, session_key_id, session_token
+from gateway.deps import app_services
 from gateway.tenants import authenticate, create_key, create_tenant, revoke_key
 from live import LiveServer, start_server
 
@@ -41,7 +42,7 @@ class Console:
         return principal.tenant_id
 
     def policy_version(self, key: str) -> int:
-        return self.live.app.state.policies.current(self.tenant_id(key)).version
+        return app_services(self.live.app).policies.current(self.tenant_id(key)).version
 
 
 @pytest.fixture(scope="module")
@@ -172,8 +173,8 @@ def test_a_tuning_proposal_is_shown_with_its_evidence_and_applied_from_the_conso
     from policies.tune_report import plot_png
     from policies.tuning import Candidate, Scored, choose
 
-    tid, store = console.tenant_id(console.acme_admin), console.live.app.state.proposals
-    current = console.live.app.state.policies.current(tid)
+    tid, store = console.tenant_id(console.acme_admin), app_services(console.live.app).proposals
+    current = app_services(console.live.app).policies.current(tid)
 
     def scored(c: Candidate, tokens: float) -> Scored:
         return Scored(c, c.apply(current.policy), np.full(8, tokens), [Decimal(tokens) / 100] * 8, np.ones(8))
@@ -195,7 +196,7 @@ def test_a_tuning_proposal_is_shown_with_its_evidence_and_applied_from_the_conso
     token = form_token(page.text)
     r = admin.post(f"{base}/{pid}/apply", data={"csrf": token})
     assert r.status_code == 303 and console.policy_version(console.acme_admin) == current.version + 1
-    assert console.live.app.state.policies.current(tid).policy.sampling.max_tokens_cap == 64
+    assert app_services(console.live.app).policies.current(tid).policy.sampling.max_tokens_cap == 64
     again = admin.post(f"{base}/{pid}/apply", data={"csrf": token})
     assert again.status_code == 409 and "nothing to decide" in again.text
 
@@ -312,7 +313,7 @@ def test_admin_edits_a_policy_and_finance_sees_the_chart(console: Console, brows
     driver.find_element(By.ID, "save").click()
     saved = wait.until(ec.presence_of_element_located((By.ID, "saved")))
     assert re.fullmatch(r"Saved v\d+\.", saved.text)
-    assert console.live.app.state.policies.current(acme_id).policy.sampling.max_tokens_cap == 48
+    assert app_services(console.live.app).policies.current(acme_id).policy.sampling.max_tokens_cap == 48
 
     driver.get(f"{console.url}/console/audit")
     rows = driver.find_elements(By.CSS_SELECTOR, "tr.entry[data-action='policy.update']")

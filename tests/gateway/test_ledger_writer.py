@@ -21,7 +21,9 @@ DOWN = "postgresql+psycopg://postgres@127.0.0.1:1/none?connect_timeout=1"
 
 
 def _rec(tenant: int, rid: str, cost: str = "0.0000000007", tier: str = "small") -> UsageRecord:
-    return UsageRecord(rid, tenant, None, "chat.completions", "m", tier, 3, 4, 5, "ok", "stop", cost=D(cost))
+    return UsageRecord.from_columns(
+        rid, tenant, None, "chat.completions", "m", tier, 3, 4, 5, "ok", "stop", cost=D(cost)
+    )
 
 
 def _rows(db: Database) -> list[str]:
@@ -117,7 +119,7 @@ def test_processes_appending_while_another_drains_lose_and_repeat_nothing(databa
         spool = UsageSpool(__import__("pathlib").Path({str(spool)!r}))
         for i in range(150):
             rid = f"{{sys.argv[1]}}{{i}}"
-            rec = UsageRecord(rid, {tenant}, None, "completions", "m", "small", 1, 1, 1, "ok", "stop")
+            rec = UsageRecord.from_columns(rid, {tenant}, None, "completions", "m", "small", 1, 1, 1, "ok", "stop")
             spool.append([rec.to_json()])
     """)
     procs = [subprocess.Popen([sys.executable, "-c", writer, p]) for p in ("p", "q")]

@@ -10,6 +10,7 @@ import logging
 import math
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -18,6 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engines.async_engine import AsyncEngine
+from gateway.deps import app_config, app_services, set_config
 from gateway.logging_setup import configure, request_id_var
 from gateway.tenants import authenticate
 from live import LiveServer, start_server
@@ -123,7 +125,9 @@ def test_rate_limit_429s_are_counted(server: LiveServer) -> None:
     key = server.new_key()
     who = authenticate(server.db, key)
     assert who is not None
-    server.app.state.policies.save(who.tenant_id, Policy.model_validate({"rate_limits": {"key_rpm": 1}}), "test")
+    app_services(server.app).policies.save(
+        who.tenant_id, Policy.model_validate({"rate_limits": {"key_rpm": 1}}), "test"
+    )
     before = value(scrape(server), "switchboard_throttled_requests_total", reason="rate_limit")
     client = openai.OpenAI(api_key=key, base_url=f"{server.base_url}/v1", max_retries=0, timeout=120)
     client.chat.completions.create(model="small", messages=QUESTION, max_tokens=2)  # type: ignore[arg-type]
@@ -134,8 +138,8 @@ def test_rate_limit_429s_are_counted(server: LiveServer) -> None:
 
 
 def test_metrics_can_require_an_admin_key(server: LiveServer) -> None:
-    settings = server.app.state.settings
-    server.app.state.settings = settings.model_copy(update={"metrics_public": False})
+    config = app_config(server.app)
+    set_config(server.app, replace(config, settings=config.settings.model_copy(update={"metrics_public": False})))
     try:
         assert httpx.get(f"{server.base_url}/metrics").status_code == 401
         app_key = server.new_key()
@@ -147,7 +151,7 @@ def test_metrics_can_require_an_admin_key(server: LiveServer) -> None:
         admin = create_tenant(server.db, f"ops-{uuid.uuid4().hex[:8]}", role="admin").key
         scrape(server, Authorization=f"Bearer {admin}")
     finally:
-        server.app.state.settings = settings
+        set_config(server.app, config)
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ from core.db.database import Database
 from core.db.models import ApiKey, Usage
 from core.money import to_units
 from engines.async_engine import AsyncEngine
+from gateway.deps import app_config, app_services
 from gateway.ledger import Ledger, UsageRecord
 from gateway.tenants import AUTH_TTL, create_tenant, tenant_by_name
 from live import LiveServer, serve_gateway
@@ -92,7 +93,7 @@ def tenant_with(live: LiveServer, name: str, policy: dict) -> tuple[str, int]:
     key = create_tenant(live.db, name).key
     tenant = tenant_by_name(live.db, name)
     assert tenant is not None
-    live.app.state.policies.save(tenant.id, Policy.model_validate(policy), "test")
+    app_services(live.app).policies.save(tenant.id, Policy.model_validate(policy), "test")
     return key, tenant.id
 
 
@@ -159,8 +160,8 @@ def own_redis() -> Iterator[services.RedisServer]:
 
 
 def usage(tenant_id: int, request_id: str, cost: str, tokens: int) -> UsageRecord:
-    return UsageRecord(request_id, tenant_id, None, "chat.completions", "m", "small", tokens, 0, 5, "ok", "stop",
-                       cost=Decimal(cost))  # fmt: skip
+    return UsageRecord.from_columns(request_id, tenant_id, None, "chat.completions", "m", "small", tokens, 0, 5, "ok",
+                                    "stop", cost=Decimal(cost))  # fmt: skip
 
 
 def test_counters_rebuilt_exactly_after_redis_comes_back_empty(
@@ -247,7 +248,7 @@ def test_redis_restarting_under_load(
         answered = [o.body["id"] for o in outcomes if o.status == 200]
         rows = ledger_rows(live.db, list(ids.values()))
         assert sorted(rows) == sorted(answered) and set(rows.values()) == {1}  # one row each, none for a 503
-        ns = live.app.state.settings.redis_namespace
+        ns = app_config(live.app).settings.redis_namespace
         assert eventually(lambda: counters_match_ledger(live.db, own_redis.url, ns, list(ids.values())), 15)
     finally:
         stop()
@@ -277,7 +278,7 @@ def test_postgres_restarting_under_load(
     twice), a key never seen gets a 503 meanwhile, and the gateway recovers by itself: new
     connections, a new key, a revocation honoured."""
     live, stop = serve_gateway(small_engine, tmp_path, own_postgres.url(), redis_url=redis_server)
-    ns = live.app.state.settings.redis_namespace
+    ns = app_config(live.app).settings.redis_namespace
     try:
         keys, ids = {}, {}
         for name, policy in (("budgeted", BUDGETED), ("free", PRICED)):

@@ -20,6 +20,7 @@ from fastapi.routing import iter_route_contexts
 import services
 from engines.async_engine import AsyncEngine
 from gateway.console.session import LOGIN_COOKIE, login_csrf_token
+from gateway.deps import app_config
 from live import LiveServer, serve_gateway
 
 PUBLIC = {"/healthz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc", "/console/login"}
@@ -98,7 +99,7 @@ def test_an_app_key_gets_403_on_every_admin_and_finance_route(live: LiveServer) 
 
 def test_an_app_key_cannot_sign_in_to_the_console(live: LiveServer) -> None:
     key = live.new_key()
-    secret = live.app.state.console_secret.encode()
+    secret = app_config(live.app).console_secret.encode()
     with httpx.Client(base_url=live.base_url, follow_redirects=False) as browser:
         browser.cookies.set(LOGIN_COOKIE, "nonce", path="/console")
         r = browser.post("/console/login", data={"csrf": login_csrf_token(secret, "nonce"), "key": key})

@@ -24,6 +24,7 @@ import services
 from core.settings import Settings
 from engines.async_engine import AsyncEngine
 from gateway.app import create_app
+from gateway.deps import app_services
 from gateway.tenants import create_key, create_tenant, tenant_by_name
 from live import LiveServer, serve_gateway
 from policies.policy import Policy, SamplingLimits
@@ -67,7 +68,9 @@ def gateway(
     ops = create_tenant(live.db, f"ops-{uuid.uuid4().hex}", operator=True, role="admin")
     tenant = tenant_by_name(live.db, ops.tenant)
     assert tenant is not None
-    live.app.state.policies.save(tenant.id, Policy(sampling=SamplingLimits(max_tokens_cap=4)), "test", "short answers")
+    app_services(live.app).policies.save(
+        tenant.id, Policy(sampling=SamplingLimits(max_tokens_cap=4)), "test", "short answers"
+    )
     KEYS.update(admin=ops.key, finance=create_key(live.db, ops.tenant, "finance").key)
     yield live
     KEYS.clear()

@@ -14,6 +14,7 @@ import pytest
 import sqlalchemy as sa
 
 from core.db.models import AuditEntry, Usage, UsageDaily
+from gateway.deps import app_services
 from gateway.tenants import authenticate, create_key, create_tenant
 from live import LiveServer
 
@@ -132,7 +133,7 @@ def test_policies_are_enforced_versioned_and_audited(
         r = op.put(path, json={"sampling": {"max_tokens_cap": 3, "temperature_max": 0.0}, "note": "cap"})
         assert r.status_code == 200 and r.json()["version"] >= 1
         v_cap = r.json()["version"]
-    live_server.app.state.policies.invalidate(tenant_id)
+    app_services(live_server.app).policies.invalidate(tenant_id)
     reply = ask(keys["a_app"], max_tokens=50, temperature=1.5)  # type: ignore[operator]
     assert reply.usage.completion_tokens <= 3 and reply.choices[0].finish_reason in ("length", "stop")
     (row,) = live_server.wait_for_usage(reply.id)
@@ -145,7 +146,7 @@ def test_policies_are_enforced_versioned_and_audited(
     with http(live_server, keys["a_admin"]) as adm:
         r = adm.put(path, json={"allowed_tiers": [], "note": "lock out"})
         assert r.status_code == 200
-        live_server.app.state.policies.invalidate(tenant_id)
+        app_services(live_server.app).policies.invalidate(tenant_id)
         with pytest.raises(openai.PermissionDeniedError) as info:
             ask(keys["a_app"])  # type: ignore[operator]
         assert info.value.code == "model_not_allowed"
@@ -158,7 +159,7 @@ def test_policies_are_enforced_versioned_and_audited(
         r = adm.post(f"{path}/rollback", json={"version": v_cap})
         assert r.status_code == 200 and r.json()["policy"]["sampling"]["max_tokens_cap"] == 3
         assert r.json()["version"] == versions[0]["version"] + 1
-        live_server.app.state.policies.invalidate(tenant_id)
+        app_services(live_server.app).policies.invalidate(tenant_id)
         assert ask(keys["a_app"]).usage.completion_tokens <= 3  # type: ignore[operator]
         issued = adm.post(f"/v1/admin/tenants/{a}/keys", json={"role": "finance"}).json()
         assert adm.delete(f"/v1/admin/keys/{issued['prefix']}").status_code == 204

@@ -122,7 +122,7 @@ def test_reservations_are_all_or_nothing_under_concurrency(counters: LocalCounte
 
 
 def _usage(who: object, rid: str, cost: str, tokens: tuple[int, int], tier: str = "small", **kw: object) -> UsageRecord:
-    return UsageRecord(
+    return UsageRecord.from_columns(
         rid, who.tenant_id, who.key_id, "chat.completions", "m", tier, tokens[0], tokens[1], 5, "ok", "stop",
         cost=D(cost), counterfactual_cost=D(cost) * 3, saved_routing=D(cost) * 2, **kw,
     )  # fmt: skip

@@ -24,6 +24,7 @@ from core.db.models import AuditEntry, PolicyProposal, RoutedPrompt
 from engines.async_engine import AsyncEngine
 from engines.request import EngineRequest, TokenLogprob
 from engines.sampling import SamplingParams
+from gateway.deps import app_services
 from gateway.tenants import create_key, create_tenant, tenant_by_name
 from live import LiveServer
 from policies.policy import Policy, SamplingLimits
@@ -255,8 +256,8 @@ def test_a_synthetic_tenants_proposal_is_applied_audited_and_enforced(
         for i, q in enumerate(QUESTIONS):
             s.add(RoutedPrompt(tenant_id=tenant.id, request_id=f"r{i}", messages=[{"role": "user", "content": q}],
                                p_small_ok=0.9, tier="small"))  # fmt: skip
-    policies: PolicyStore = live.app.state.policies
-    proposals: ProposalStore = live.app.state.proposals
+    policies: PolicyStore = app_services(live.app).policies
+    proposals: ProposalStore = app_services(live.app).proposals
 
     async def any_answer(pairs: list) -> list[float]:  # the synthetic tenant's check: an answer was given
         return [float(bool(text.strip())) for _, text in pairs]
@@ -334,8 +335,8 @@ def test_the_schedule_proposes_when_due_and_applies_only_when_opted_in(
     from gateway.tuning_schedule import TuningSchedule
 
     live = live_server
-    policies: PolicyStore = live.app.state.policies
-    proposals: ProposalStore = live.app.state.proposals
+    policies: PolicyStore = app_services(live.app).policies
+    proposals: ProposalStore = app_services(live.app).proposals
     ids = {}
     for name, auto in (("sched", False), ("auto", True)):
         tname = f"{name}-{uuid.uuid4().hex[:8]}"

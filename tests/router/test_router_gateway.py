@@ -34,6 +34,7 @@ from core.settings import Settings
 from engines.async_engine import AsyncEngine
 from gateway.app import create_app
 from gateway.cli import main
+from gateway.deps import app_services
 from gateway.shadow import LABELS_FILE
 from gateway.tenants import create_tenant, tenant_by_name
 from live import LiveServer, serve_gateway, start_server
@@ -110,7 +111,7 @@ class Gateway:
         assert found is not None
         allowed = router.pop("allowed_tiers", None)
         policy = Policy(router=RouterSettings(**router), allowed_tiers=allowed)
-        self.live.app.state.policies.save(found.id, policy, "test")
+        app_services(self.live.app).policies.save(found.id, policy, "test")
         return name, issued.key, found.id
 
     def chat(self, key: str, content: str, model: str = "auto", hold: bool = False, **body: Any) -> httpx.Response:
@@ -341,7 +342,7 @@ def test_calibrating_a_tenant_writes_a_policy_version(
         store.add(tenant_id, "calibration", e.messages, 0.5, "small")
     assert main([*calibrate, "--large-share", "0.3"]) == 0
     assert "policy v2" in capsys.readouterr().out  # v1: the test's own
-    policy = gateway.live.app.state.policies.version(tenant_id, 2).policy
+    policy = app_services(gateway.live.app).policies.version(tenant_id, 2).policy
     calibration = policy.router.calibration
     assert calibration is not None and policy.router.mode == "large_share" and policy.router.large_share == 0.3
     assert calibration.prompts == 131 and abs(calibration.large_share - 0.3) <= 0.02
@@ -411,7 +412,7 @@ def test_a_tenant_that_routes_everything_is_served_as_asked_without_a_router(
         key = create_tenant(live.db, name).key
         found = tenant_by_name(live.db, name)
         assert found is not None
-        live.app.state.policies.save(found.id, Policy(router=RouterSettings(route_all=True)), "test")
+        app_services(live.app).policies.save(found.id, Policy(router=RouterSettings(route_all=True)), "test")
         payload = {"model": "small", "messages": [{"role": "user", "content": SIMPLE}], "max_tokens": 2}
         r = httpx.post(f"{live.base_url}/v1/chat/completions", json=payload, headers={"Authorization": f"Bearer {key}"})
         assert r.status_code == 200 and r.headers["x-switchboard-tier"] == "small" and P_HEADER not in r.headers

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_verifiers import apple_answers
+from answer_samples import apple_answers
 
 from engines.engine import Engine
 from grading.datasets import Item, user

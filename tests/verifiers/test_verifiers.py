@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from answer_samples import apple_answers
 
 from engines.request import TokenLogprob
 from verifiers.answers import CodeTests, MathAnswer, Structure
@@ -170,21 +171,6 @@ def test_answer_checks_escalate_what_fails() -> None:
     assert structure.check(as_regex, [done(text="yes")])[0].action is Action.CONTINUE
     assert structure.check(as_regex, [done(text="yes!")])[0].action is Action.ESCALATE
     assert structure.check(CTX, [done(text="anything")])[0].action is Action.CONTINUE
-
-
-def apple_answers() -> tuple[list[tuple[str, str]], list[bool]]:
-    """A learnable signal: right answers reason and end in a number; wrong ones trail off or repeat."""
-    questions = [f"Tom has {i} apples and buys {i + 3} more. How many apples does he have?" for i in range(40)]
-    right = [
-        f"He starts with {i} and buys {i + 3}, so {i} + {i + 3} = {2 * i + 3}. The answer is {2 * i + 3}."
-        for i in range(40)
-    ]
-    wrong = [
-        "I am not sure what you mean by apples, apples, apples." if i % 2 else "Let me think about it"
-        for i in range(40)
-    ]
-    pairs = [*zip(questions, right, strict=True), *zip(questions, wrong, strict=True)]
-    return pairs, [True] * 40 + [False] * 40
 
 
 def test_the_probe_learns_round_trips_and_escalates(tmp_path: Path) -> None:

@@ -1,0 +1,300 @@
+"""Admission: a validated request → a frozen `Plan`, or a refusal (4xx, 429, 503) before anything runs.
+
+principal → the tenant's policy (allowed tiers, sampling clamps)
+          → the tier: the one named, or the router's choice (`auto`, `gateway.routing`)
+          → the prompts as token ids for that tier, within every limit
+          → the policy's verifiers, one hook per prompt, and the cascade's target
+          → the tier ladder: the tier, then its live fallbacks that the policy allows
+          → the response cache's lookup
+          → the budget and rate-limit reservation of the worst case on any tier of the ladder
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import replace
+from decimal import Decimal
+
+import anyio
+
+from core.settings import Settings
+from engines.engine import RequestRejected
+from engines.protocol import TierEngine
+from engines.request import EngineRequest
+from engines.sampling import SamplingParams
+from engines.tokenizer import ChatTemplateError
+from gateway.cache_stage import BYPASS, CacheDecision, CacheStage, cache_mode
+from gateway.errors import from_budget, invalid
+from gateway.metrics import Metrics
+from gateway.pipeline import cascade
+from gateway.pipeline.plan import Caller, Candidate, Checks, Plan, Work
+from gateway.pipeline.prompts import (
+    INLINE_TOKENIZE_CHARS,
+    Body,
+    Prepared,
+    answer_params,
+    chat_messages,
+    completion_prompts,
+    grammar,
+    prompt_conversations,
+    sampling_params,
+    tokenize,
+    verifier_context,
+)
+from gateway.pipeline.refusals import model_not_allowed, model_not_found, reject_unsupported, unavailable
+from gateway.routing import RoutingStage
+from gateway.schemas import UNSUPPORTED_CHAT, UNSUPPORTED_COMPLETION, ChatCompletionRequest, CompletionRequest
+from gateway.tenants import Principal
+from policies.budgets import BudgetError, Budgets, Reservation
+from policies.policy import Policy
+from policies.pricing import worst_case
+from policies.sampling import instructed
+from policies.store import PolicyStore, Versioned
+from verifiers.hook import VerifierHook
+from verifiers.policy import build_verifiers
+from verifiers.probe import AnswerProbe
+
+
+class Admission:
+    """The admission steps, over the stores and stages they read. Nothing here runs a model: a refusal
+    leaves nothing reserved, and a plan holds its reservation until the run settles it."""
+
+    def __init__(
+        self,
+        engines: Mapping[str, TierEngine],
+        settings: Settings,
+        policies: PolicyStore,
+        budgets: Budgets,
+        cache: CacheStage | None = None,
+        metrics: Metrics | None = None,
+        routing: RoutingStage | None = None,
+        probe: AnswerProbe | None = None,
+    ) -> None:
+        self.engines = dict(engines)
+        self.settings = settings
+        self.policies = policies
+        self.budgets = budgets
+        self.cache = cache
+        self.metrics = metrics
+        self.routing = routing or RoutingStage(None, self.engines)
+        self.probe = probe  # the trained answer probe, for policies with the `probe` check
+
+    async def policy(self, principal: Principal) -> Versioned:
+        if (hit := self.policies.cached(principal.tenant_id)) is not None:
+            return hit  # the common case: no thread hop
+        return await anyio.to_thread.run_sync(self.policies.current, principal.tenant_id)
+
+    def engine(self, model: str, policy: Policy) -> TierEngine:
+        engine = self.engines.get(model)
+        if engine is None:
+            raise model_not_found(model)
+        if not policy.allows(model):
+            raise model_not_allowed(model, [t for t in self.engines if policy.allows(t)])
+        return engine
+
+    def candidates(self, model: str, policy: Policy, requests: list[EngineRequest]) -> list[Candidate]:
+        """The live tiers that may serve, in order: `model`, then its fallback chain (tiers the policy allows
+        and whose context takes these requests)."""
+        out: list[Candidate] = []
+        name: str | None = model
+        seen: set[str] = set()
+        while name is not None and name not in seen:
+            seen.add(name)
+            engine, tier = self.engines.get(name), self.settings.tiers.get(name)
+            if engine is not None and engine.alive and (name == model or _fits(engine, requests, policy, name)):
+                out.append(Candidate(name, engine, self._checkpoint(name)))
+            name = tier.fallback if tier else None
+        return out
+
+    async def admit_chat(
+        self,
+        principal: Principal,
+        body: ChatCompletionRequest,
+        cache_header: str | None = None,
+        escalated_from: str | None = None,
+    ) -> Plan:
+        """A chat request's plan: its messages through the tier's chat template (and the policy's instruction)."""
+        policy = await self.policy(principal)
+        routed = escalated_from is None and self.routing.wants(body.model, policy.policy)
+        if not routed:
+            self.engine(body.model, policy.policy)  # an unknown or forbidden tier is refused before anything else
+        reject_unsupported(body, UNSUPPORTED_CHAT)
+        messages = chat_messages(body)
+        route = await self.routing.route(principal, policy.policy, [messages]) if routed else None
+        engine = self.engine(route.tier if route else body.model, policy.policy)
+        # The model (and the cache key) see the policy's instruction; routing and stored prompts see the client's.
+        shown = instructed(messages, policy.policy.sampling.system_instruction)
+        try:
+            prompt = await tokenize(sum(len(m["content"]) for m in shown), engine.tokenizer.encode_chat, shown)
+        except ChatTemplateError as exc:
+            raise invalid(str(exc), param="messages") from None
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        prepared = Prepared(
+            endpoint="chat.completions",
+            id_prefix="chatcmpl",
+            engine=engine,
+            prompts=[prompt],
+            max_tokens=max_tokens,
+            conversation=shown,
+            conversations=[messages],
+            route=route,
+            grammar=await grammar(engine, body.response_format),
+        )
+        return await self._plan(principal, policy, body, prepared, cache_header, escalated_from)
+
+    async def admit_completion(
+        self,
+        principal: Principal,
+        body: CompletionRequest,
+        cache_header: str | None = None,
+        escalated_from: str | None = None,
+    ) -> Plan:
+        """A completion request's plan: one prompt or several (text or token ids), each run n times."""
+        policy = await self.policy(principal)
+        routed = escalated_from is None and self.routing.wants(body.model, policy.policy)
+        if not routed:
+            self.engine(body.model, policy.policy)
+        reject_unsupported(body, UNSUPPORTED_COMPLETION)
+        conversations = prompt_conversations(body.prompt) if routed else []
+        route = await self.routing.route(principal, policy.policy, conversations) if routed else None
+        engine = self.engine(route.tier if route else body.model, policy.policy)
+        size = len(body.prompt) if isinstance(body.prompt, str) else INLINE_TOKENIZE_CHARS  # lists: off the loop
+        prompts = await tokenize(size, completion_prompts, body.prompt, engine.tokenizer)
+        prepared = Prepared(
+            endpoint="completions",
+            id_prefix="cmpl",
+            engine=engine,
+            prompts=prompts,
+            max_tokens=body.max_tokens,
+            conversation=body.prompt,
+            conversations=conversations,
+            route=route,
+        )
+        return await self._plan(principal, policy, body, prepared, cache_header, escalated_from)
+
+    async def _plan(
+        self,
+        principal: Principal,
+        policy: Versioned,
+        body: Body,
+        p: Prepared,
+        cache_header: str | None,
+        escalated_from: str | None,
+    ) -> Plan:
+        """The steps every endpoint shares, from the engine requests to the reservation (the module's docstring)."""
+        tier = p.route.tier if p.route is not None else body.model  # the answer's tier: the cache keys on it
+        if p.route is not None and self.metrics is not None:
+            self.metrics.record_route(p.route.seconds)
+        if body.n * len(p.prompts) > self.settings.max_n:
+            raise invalid(f"at most {self.settings.max_n} choices per request (n × prompts)", param="n")
+        request_id = f"{p.id_prefix}-{uuid.uuid4().hex}"
+        requests, asked, hooks = self._engine_requests(request_id, principal, policy.policy, body, p)
+        candidates = self.candidates(tier, policy.policy, requests)
+        if p.grammar is not None:  # compiled for this engine's vocabulary: no other tier can take it
+            candidates = [c for c in candidates if c.engine is p.engine]
+        if not candidates:
+            raise unavailable(body.model)
+        cache = await self._lookup(principal, policy.policy, body, p, tier, requests[0].params, cache_header)
+        work = Work(
+            requests=tuple(requests),
+            num_prompts=len(p.prompts),
+            prompt_tokens=sum(len(prompt) for prompt in p.prompts),
+            requested_max=tuple(asked),
+            requested_max_tokens=p.max_tokens,
+            candidates=tuple(candidates),
+        )
+        reservation = await self._reserve(request_id, principal, policy.policy, work, cache)
+        # a cached answer is the requested tier's, even while it is down
+        serving = candidates[0] if cache.answer is None else Candidate(tier, p.engine, self._checkpoint(tier))
+        target = cascade.target(
+            policy.policy, tier, hooks, self.engines, stream=body.stream, escalated_from=escalated_from
+        )
+        return Plan(
+            caller=Caller(request_id, p.endpoint, body.model, principal, policy, int(time.time())),
+            work=work,
+            checks=Checks(tuple(hooks), target, escalated_from),
+            cache=cache,
+            reservation=reservation,
+            serving=serving,
+            route=p.route,
+            conversations=tuple(p.conversations),
+        )
+
+    def _engine_requests(
+        self, request_id: str, principal: Principal, policy: Policy, body: Body, p: Prepared
+    ) -> tuple[list[EngineRequest], list[int], list[VerifierHook]]:
+        """One engine request per choice (n per prompt), the max tokens each asked for, and the verifier hooks."""
+        # Cached prompt prefixes are shared within a tenant only, unless configured otherwise: a
+        # faster first token would tell one tenant what another tenant's prompts begin with.
+        salt = f"tenant:{principal.tenant_id}" if self.settings.prefix_cache_scope == "tenant" else ""
+        requests, asked, hooks = [], [], []
+        settings = policy.verifiers
+        verifier, checks = (
+            build_verifiers(settings, body.n, self.probe) if settings.enabled or settings.checks else (None, None)
+        )
+        for i, prompt in enumerate(p.prompts):
+            params, wanted = sampling_params(
+                body, p.engine, prompt, p.max_tokens, policy, self.settings.default_max_tokens
+            )
+            ids = [f"{request_id}-{i * body.n + j}" for j in range(body.n)]
+            hook = None
+            if verifier is not None or checks is not None:  # one per prompt: its choices are judged together
+                hook = VerifierHook(verifier, verifier_context(body, i), ids, checks)
+                hooks.append(hook)
+            for j, rid in enumerate(ids):
+                seeded = params if params.seed is None else replace(params, seed=params.seed + j)
+                requests.append(EngineRequest(rid, prompt, seeded, cache_salt=salt, grammar=p.grammar, hook=hook))
+                asked.append(wanted)
+        return requests, asked, hooks
+
+    async def _lookup(
+        self,
+        principal: Principal,
+        policy: Policy,
+        body: Body,
+        p: Prepared,
+        tier: str,
+        params: SamplingParams,
+        cache_header: str | None,
+    ) -> CacheDecision:
+        """The response cache's answer for `body` on `tier`, or the key to store its answer under."""
+        if self.cache is None:
+            return BYPASS
+        mode = cache_mode(body.model_extra, cache_header)
+        return await self.cache.lookup(
+            principal.tenant_id, policy.cache, mode, p.endpoint, tier, p.conversation, answer_params(body, params)
+        )
+
+    async def _reserve(
+        self, request_id: str, principal: Principal, policy: Policy, work: Work, cache: CacheDecision
+    ) -> Reservation:
+        """Reserve the worst case against the tenant's budgets and rate limits, or refuse (`from_budget`)."""
+        prompt_tokens, completion_max = work.prompt_tokens, sum(r.params.max_tokens for r in work.requests)
+        # The worst case on whichever candidate may end up serving: a fallback is billed at its own prices.
+        worst_money = max(worst_case(policy, c.name, prompt_tokens, completion_max) for c in work.candidates)
+        if cache.answer is not None:  # a hit costs nothing; rate limits still count it
+            worst_money, prompt_tokens, completion_max = Decimal(0), 0, 0
+        try:
+            return await self.budgets.admit(
+                request_id, policy, principal.tenant_id, principal.key_id, worst_money, prompt_tokens + completion_max
+            )
+        except BudgetError as exc:
+            raise from_budget(exc) from exc
+
+    def _checkpoint(self, name: str) -> str:
+        tier = self.settings.tiers.get(name)
+        return tier.model if tier else name
+
+
+def _fits(engine: TierEngine, requests: list[EngineRequest], policy: Policy, name: str) -> bool:
+    """May fallback tier `name` serve these requests: allowed by the policy, and within its context?"""
+    if not policy.allows(name):
+        return False
+    try:
+        for r in requests:
+            engine.check(r.prompt_token_ids, r.params.max_tokens)
+    except RequestRejected:
+        return False
+    return True

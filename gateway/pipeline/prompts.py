@@ -1,0 +1,185 @@
+"""A request body → what the engines run (token ids, sampling parameters, a grammar), and what the
+router, the verifiers and the response cache's key read from it."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import anyio
+
+from engines.engine import RequestRejected
+from engines.protocol import TierEngine
+from engines.sampling import SamplingParams
+from engines.structured import Grammar, GrammarError
+from engines.tokenizer import Tokenizer
+from gateway.errors import invalid
+from gateway.routing import RouteDecision
+from gateway.schemas import MAX_SCHEMA_CHARS, ChatCompletionRequest, CompletionRequest, ResponseFormat
+from policies.policy import Policy
+from policies.sampling import Asked, resolve
+from verifiers.base import Context
+
+Body = ChatCompletionRequest | CompletionRequest
+T = TypeVar("T")
+
+# Shorter prompts tokenize in well under a millisecond, cheaper on the event loop than a hand-off to a
+# worker thread (~0.14 ms); longer ones go to a thread so the loop keeps serving others meanwhile.
+INLINE_TOKENIZE_CHARS = 2048
+
+# Request fields that change the answer, besides the sampling parameters: part of the cache key.
+_ANSWER_FIELDS = ("tools", "tool_choice", "functions", "response_format", "logit_bias", "logprobs", "top_logprobs")
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request routed and tokenized for the tier that will serve it."""
+
+    endpoint: str  # chat.completions | completions
+    id_prefix: str  # chatcmpl | cmpl
+    engine: TierEngine  # the requested (or routed) tier's: the prompts are its token ids
+    prompts: list[list[int]]
+    max_tokens: int | None  # as sent
+    conversation: Any  # what the cache key reads: the chat as the model sees it, or the prompt as sent
+    conversations: list[Any]  # what the router decided on (and stores, and shadow runs re-ask)
+    route: RouteDecision | None = None
+    grammar: Grammar | None = None  # compiled for `engine`'s vocabulary
+
+
+async def tokenize(chars: int, fn: Callable[..., T], *args: Any) -> T:
+    if chars < INLINE_TOKENIZE_CHARS:
+        return fn(*args)
+    return await anyio.to_thread.run_sync(fn, *args)
+
+
+def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
+    """The client's conversation as plain text turns (`developer` is the system turn)."""
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+
+
+def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]], tokenizer: Tokenizer) -> list[list[int]]:
+    if isinstance(prompt, str):
+        return [tokenizer.encode(prompt)]
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]  # type: ignore[arg-type]
+    return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+
+
+def prompt_conversations(prompt: str | list[str] | list[int] | list[list[int]]) -> list[Any]:
+    """Text prompts as the one-turn conversations the router reads; token ids it cannot read."""
+    texts = [prompt] if isinstance(prompt, str) else prompt
+    if not all(isinstance(t, str) for t in texts):
+        raise invalid("`model: auto` routes text prompts; name a tier to send token ids.", param="prompt")
+    return [[{"role": "user", "content": t}] for t in texts]
+
+
+async def grammar(engine: TierEngine, fmt: ResponseFormat | None) -> Grammar | None:
+    """The token grammar a `response_format` asks for (compiled off the event loop), or None for text."""
+    if fmt is None or fmt.type == "text":
+        return None
+    compiler = await anyio.to_thread.run_sync(lambda: engine.grammars)  # built on first use: ~0.1-1 s
+    if compiler is None:
+        raise invalid(
+            f"Tier `{engine.name}` cannot constrain its output; `response_format` needs an in-process tier.",
+            param="response_format",
+            code="unsupported_parameter",
+        )
+    try:
+        if fmt.type == "json_object":
+            return await anyio.to_thread.run_sync(compiler.any_json)
+        if fmt.type == "json_schema":
+            assert fmt.json_schema is not None
+            schema = fmt.json_schema.schema_
+            if len(json.dumps(schema)) > MAX_SCHEMA_CHARS:
+                raise GrammarError(f"the schema is longer than {MAX_SCHEMA_CHARS} characters as JSON")
+            return await anyio.to_thread.run_sync(compiler.json_schema, schema)
+        assert fmt.regex is not None
+        return await anyio.to_thread.run_sync(compiler.regex, fmt.regex)
+    except GrammarError as exc:
+        raise invalid(str(exc), param="response_format") from None
+
+
+def sampling_params(
+    body: Body, engine: TierEngine, prompt: list[int], max_tokens: int | None, policy: Policy, default_max: int | None
+) -> tuple[SamplingParams, int]:
+    """The engine's sampling parameters after the policy's clamps, and the max tokens asked for."""
+    room = engine.max_model_len - len(prompt)
+    if max_tokens is None:
+        max_tokens = min(room, default_max or room)
+        max_tokens = max(max_tokens, 1)  # no room left: the context check below explains
+    given = body.model_fields_set  # a penalty the client left out takes the policy's default
+    s = resolve(
+        policy.sampling,
+        Asked(
+            max_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            frequency_penalty=body.frequency_penalty if "frequency_penalty" in given else None,
+            presence_penalty=body.presence_penalty if "presence_penalty" in given else None,
+            stop=tuple(body.stop_list),
+        ),
+    )
+    try:
+        params = SamplingParams(
+            max_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=body.top_k or 0,
+            seed=body.seed,
+            presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty,
+            stop=s.stop,
+        )
+        engine.check(prompt, params.max_tokens)
+    except RequestRejected as exc:
+        param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+        raise invalid(str(exc), param=param, code=exc.code) from None
+    except ValueError as exc:
+        raise invalid(str(exc)) from None
+    return params, min(max_tokens, max(room, 1))
+
+
+def answer_params(body: Body, params: SamplingParams) -> dict[str, Any]:
+    """What the cache must key on, after the policy's clamps (so a clamp cannot hand back another's answer)."""
+    extra = body.model_extra or {}
+    return {
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "max_tokens": params.max_tokens,
+        "stop": list(params.stop),
+        "seed": body.seed,
+        "n": body.n,
+        "presence_penalty": params.presence_penalty,
+        "frequency_penalty": params.frequency_penalty,
+        **{k: extra[k] for k in _ANSWER_FIELDS if extra.get(k) is not None},
+        **({"response_format": fmt} if (fmt := response_format(body)) is not None else {}),
+    }
+
+
+def response_format(body: Body) -> dict[str, Any] | None:
+    """The request's `response_format` as JSON, None for free text (the cache key and the verifiers read it)."""
+    fmt = getattr(body, "response_format", None)
+    if fmt is None or fmt.type == "text":
+        return None
+    return fmt.model_dump(by_alias=True, exclude_none=True)
+
+
+def verifier_context(body: Body, index: int) -> Context:
+    tests = (body.model_extra or {}).get("tests")  # extension: code that checks a code answer (`code` check)
+    return Context(
+        prompt=_prompt_text(body, index),
+        response_format=response_format(body),
+        tests=tests if isinstance(tests, str) else None,
+    )
+
+
+def _prompt_text(body: Body, index: int) -> str:
+    """What verifiers read as the question: the last user turn, or prompt `index` when it is text."""
+    if isinstance(body, ChatCompletionRequest):
+        return next((m.text() for m in reversed(body.messages) if m.role == "user"), "")
+    prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+    text = prompts[index] if index < len(prompts) else ""
+    return text if isinstance(text, str) else ""

@@ -1,0 +1,347 @@
+"""A run: a `Plan` → the engine stream (or the replay of a cached answer) → choice deltas → an `Outcome`.
+
+    begin     the first candidate tier that can take the requests takes them (a tier that is down, or
+              fails before any output, passes them on to the next)
+    events()  the deltas, as the engine produces them; however the stream ends (finished, client gone,
+              engine error) the stream is closed, the final checks run on a finished answer, and what ran
+              is metered, exactly once (`gateway.pipeline.metering`)
+    then      an answer whose stream ran to its end is stored in the response cache, if it may be
+              (`cache_store`); once the response is out, the routing stage's follow-ups run
+              (`after_response`)
+
+The plan never changes; what changes while the request runs is in `_RunState`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Iterator, Mapping
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+import anyio
+
+from engines.engine import RequestRejected
+from engines.protocol import EngineUnavailable, OutputStream
+from engines.request import FinishReason, RequestOutput
+from gateway.cache_stage import CacheStage
+from gateway.errors import APIError, invalid
+from gateway.pipeline import cache_store, cascade
+from gateway.pipeline.metering import Meter
+from gateway.pipeline.plan import Candidate, ChoiceDelta, Outcome, Plan
+from gateway.pipeline.refusals import prompt_param, unavailable
+from gateway.response_cache import CachedAnswer
+from gateway.routing import RoutingStage
+from gateway.schemas import Usage
+
+T = TypeVar("T")
+
+REPLAY_CHARS = 24  # a cached answer streams in pieces of about this many characters, like a generation
+
+
+class Watch(Protocol):
+    """Awaits work on the request's behalf, cancelling it if the client leaves (`gateway.streaming`)."""
+
+    def __call__(self, work: Awaitable[T], /) -> Awaitable[T]: ...
+
+
+@dataclass
+class _RunState:
+    """What changes while a request runs."""
+
+    serving: Candidate  # the tier that serves: the plan's, or the fallback that took the requests
+    status: str = "pending"  # → running → ok | aborted | error | escalated; or abandoned: it never ran
+    stream: OutputStream | None = None  # once a tier took the requests
+    started: float | None = None  # a tier was first asked (or the replay began): latency counts from here
+    texts: list[str] = field(default_factory=list)  # each choice's text so far, once it runs on a tier
+    reasons: list[str | None] = field(default_factory=list)  # each choice's finish reason so far
+    completion_tokens: int = 0
+    ttft: float | None = None  # seconds from start to the first generated text (engine runs only)
+    settled: bool = False  # metered, or its reservation given back
+    outcome: Outcome | None = None  # once metered
+    followed_up: bool = False  # after_response ran
+
+
+class Generation:
+    """A planned request: iterate `events()` (or `collect()`) to run it, once."""
+
+    def __init__(self, plan: Plan, meter: Meter, cache: CacheStage | None, routing: RoutingStage) -> None:
+        self.plan = plan
+        self._meter = meter
+        self._cache = cache
+        self._routing = routing
+        self._state = _RunState(serving=plan.serving)
+        self._index = {r.request_id: i for i, r in enumerate(plan.work.requests)}  # choice of each engine request
+
+    # --- what the API shows ---------------------------------------------------------------------------
+
+    @property
+    def request_id(self) -> str:
+        return self.plan.caller.request_id
+
+    @property
+    def created(self) -> int:
+        return self.plan.caller.created
+
+    @property
+    def model(self) -> str:
+        return self.plan.caller.model
+
+    @property
+    def num_choices(self) -> int:
+        return self.plan.work.num_choices
+
+    @property
+    def tier(self) -> str:
+        """The tier that serves (a fallback when the requested one is down)."""
+        return self._state.serving.name
+
+    @property
+    def usage(self) -> Usage:
+        prompt, completion = self.plan.work.prompt_tokens, self._state.completion_tokens
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+    @property
+    def verifier_actions(self) -> list[dict[str, Any]]:
+        return self.plan.verifier_actions
+
+    @property
+    def escalation(self) -> str | None:
+        """Set once the answer failed a final check: the tier the cascade retries it on."""
+        return self.plan.checks.cascade_to if self._state.status == "escalated" else None
+
+    @property
+    def outcome(self) -> Outcome | None:
+        return self._state.outcome
+
+    # --- running --------------------------------------------------------------------------------------
+
+    async def begin(self) -> OutputStream:
+        """Have the first candidate tier that can take the requests take them, and wait for its first output.
+
+        A tier that is down, or fails before any output (a remote after its retries), passes the requests
+        on to the next candidate. Streaming responses call this before their headers go out, so that
+        `x-switchboard-tier` names the tier that serves and a refusal is still an HTTP error.
+        """
+        s = self._state
+        if s.stream is not None:
+            return s.stream
+        s.started = time.perf_counter()
+        candidates = self.plan.work.candidates
+        for i, candidate in enumerate(candidates):
+            try:
+                stream = candidate.engine.open(list(self.plan.work.requests))
+            except EngineUnavailable:  # stopped since admission: nothing ran here
+                continue
+            # Set before waiting: a client leaving meanwhile is billed for what ran, on this tier.
+            s.stream, s.serving = stream, candidate
+            try:
+                first = await anext(stream)
+            except EngineUnavailable:
+                first = None
+            except RequestRejected as exc:  # a remote judged the request itself: the client's to fix
+                await self._drop_stream()
+                await self._release()
+                raise invalid(str(exc), param=prompt_param(self.plan.caller.endpoint), code=exc.code) from None
+            last = i == len(candidates) - 1
+            if first is not None and not (_failed_before_output(first) and not last):
+                s.stream = _Primed(stream, first)
+                return s.stream
+            await self._drop_stream()
+        await self._release()
+        raise unavailable(self.plan.caller.model)
+
+    async def begin_stream(self, watch: Watch) -> None:
+        """For a streamed response, before its headers go out: `begin` (a cached answer needs no tier). If
+        that fails or the client leaves, what ran is billed or the reservation given back."""
+        try:
+            if self.plan.cache.answer is None:
+                await watch(self.begin())
+        except BaseException:
+            await self.abandon()
+            raise
+
+    async def events(self) -> AsyncIterator[ChoiceDelta]:
+        s = self._state
+        if s.status != "pending":
+            raise RuntimeError("a generation runs once")
+        s.status = "running"
+        if (answer := self.plan.cache.answer) is not None:
+            async for delta in self._replay(answer):
+                yield delta
+            return
+        n = self.plan.work.num_choices
+        s.texts, s.reasons = [""] * n, [None] * n
+        try:
+            stream = await self.begin()
+            async for out in stream:
+                if (delta := self._take(out, stream)) is not None:
+                    yield delta
+            # the engine aborts what is left when it shuts down under a running request
+            s.status = "aborted" if FinishReason.ABORT.value in s.reasons else "ok"
+        except (asyncio.CancelledError, GeneratorExit):
+            s.status = "aborted"
+            raise
+        except BaseException:
+            s.status = "error"
+            raise
+        finally:
+            # Shielded: a cancelled request must still be aborted, counted to its last generated
+            # token (tokens still queued for a departed client included), priced and written down.
+            # No stream: no tier took the requests (all down, or one refused them); `begin` settled.
+            with anyio.CancelScope(shield=True):
+                if s.stream is not None:
+                    await self._finish()
+        if self._cache is not None and s.outcome is not None:
+            with anyio.CancelScope(shield=True):
+                await cache_store.store(self._cache, self.plan, s.outcome)
+
+    async def collect(self) -> tuple[list[str], list[str | None]]:
+        """Run to the end: each choice's text and finish reason."""
+        texts = [""] * self.num_choices
+        reasons: list[str | None] = [None] * self.num_choices
+        async with aclosing(self.events()) as events:
+            async for delta in events:
+                texts[delta.index] += delta.text
+                reasons[delta.index] = delta.finish_reason or reasons[delta.index]
+        return texts, reasons
+
+    def _take(self, out: RequestOutput, stream: OutputStream) -> ChoiceDelta | None:
+        """Account one engine output; the delta it makes, if it says anything."""
+        s = self._state
+        s.completion_tokens = sum(o.completion_tokens for o in stream.last.values())
+        if out.finish_reason is FinishReason.ERROR:
+            raise APIError(500, "The engine failed while generating; please retry.", code="engine_error")
+        i = self._index[out.request_id]
+        s.reasons[i] = out.finish_reason.value if out.finish_reason else None
+        s.texts[i] += out.text
+        if out.text and s.ttft is None:
+            assert s.started is not None
+            s.ttft = time.perf_counter() - s.started
+        return ChoiceDelta(i, out.text, s.reasons[i]) if out.text or s.reasons[i] else None
+
+    async def _replay(self, answer: CachedAnswer) -> AsyncIterator[ChoiceDelta]:
+        """Answer from the cache: the stored texts as choice deltas; billed as a cache hit."""
+        s = self._state
+        s.started = time.perf_counter()
+        s.completion_tokens = answer.completion_tokens
+        try:
+            for delta in _pieces(answer):
+                yield delta
+            s.status = "ok"
+        except (asyncio.CancelledError, GeneratorExit):
+            s.status = "aborted"
+            raise
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._bill({}, answer.texts, answer.finish_reasons)
+
+    async def _finish(self) -> None:
+        """Close the stream; run a finished answer's final checks (off the event loop: tests can take
+        seconds); bill what ran."""
+        s = self._state
+        stream = s.stream
+        assert stream is not None
+        await stream.aclose()
+        if s.status == "ok":
+            for hook in self.plan.checks.hooks:
+                await anyio.to_thread.run_sync(hook.run_checks)
+            if cascade.escalates(self.plan.checks):
+                s.status = "escalated"
+        s.completion_tokens = sum(o.completion_tokens for o in stream.last.values())
+        await self._bill(stream.last, s.texts, s.reasons)
+
+    async def _bill(self, last: Mapping[str, RequestOutput], texts: list[str], reasons: list[str | None]) -> None:
+        s = self._state
+        assert s.started is not None
+        s.outcome = Outcome(
+            status=s.status,
+            served=s.serving,
+            texts=tuple(texts),
+            finish_reasons=tuple(reasons),
+            outputs=tuple(last.get(r.request_id) for r in self.plan.work.requests),
+            completion_tokens=s.completion_tokens,
+            seconds=time.perf_counter() - s.started,
+            ttft=s.ttft,
+        )
+        s.settled = True
+        await self._meter.bill(self.plan, s.outcome)
+
+    async def _drop_stream(self) -> None:
+        """Close a stream that produced nothing; the next tier serves (and is billed) instead."""
+        s = self._state
+        stream, s.stream = s.stream, None
+        if stream is not None:
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
+
+    async def _release(self) -> None:
+        """The request never ran: give its reservation back."""
+        self._state.settled = True
+        await self._meter.release(self.plan.reservation)
+
+    # --- after the response ---------------------------------------------------------------------------
+
+    async def abandon(self) -> None:
+        """Give back the reservation of a generation that never ran (its client left first); one that a tier
+        took (`begin`) but nobody read is aborted and billed for what ran."""
+        s = self._state
+        if s.status != "pending" or s.settled:
+            return
+        if s.stream is not None:
+            s.status = "aborted"
+            s.reasons = [None] * self.plan.work.num_choices
+            with anyio.CancelScope(shield=True):
+                await self._finish()
+            return
+        s.status = "abandoned"
+        await self._release()
+
+    async def after_response(self) -> None:
+        """Called once the response has gone out: the routing stage's follow-ups (stored prompt, shadow run)."""
+        s = self._state
+        if self.plan.route is not None and s.outcome is not None and not s.followed_up:
+            s.followed_up = True
+            self._routing.after_response(self.plan, s.outcome)
+
+    async def close(self) -> None:
+        """A streamed response ended, however: bill what ran or give the reservation back, then follow up."""
+        await self.abandon()
+        await self.after_response()
+
+
+def _pieces(answer: CachedAnswer) -> Iterator[ChoiceDelta]:
+    for i, (text, reason) in enumerate(zip(answer.texts, answer.finish_reasons, strict=True)):
+        pieces = [text[j : j + REPLAY_CHARS] for j in range(0, len(text), REPLAY_CHARS)] or [""]
+        for j, piece in enumerate(pieces):
+            yield ChoiceDelta(i, piece, reason if j == len(pieces) - 1 else None)
+
+
+class _Primed:
+    """A stream whose first output `begin` already read (to know the tier answers); it is delivered first."""
+
+    def __init__(self, stream: OutputStream, first: RequestOutput) -> None:
+        self._stream = stream
+        self._first: RequestOutput | None = first
+
+    @property
+    def last(self) -> dict[str, RequestOutput]:
+        return self._stream.last
+
+    def __aiter__(self) -> _Primed:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._first is not None:
+            first, self._first = self._first, None
+            return first
+        return await anext(self._stream)
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+
+def _failed_before_output(out: RequestOutput) -> bool:
+    return out.finish_reason is FinishReason.ERROR and out.completion_tokens == 0
