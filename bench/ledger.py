@@ -56,7 +56,7 @@ from core.db.database import Database
 from core.db.models import Tenant, Usage, UsageDaily
 from core.settings import Settings, TierSettings
 from engines.async_engine import AsyncEngine
-from engines.engine import RequestRejected
+from engines.protocol import RequestRejected
 from engines.request import EngineRequest, FinishReason, RequestOutput
 from gateway.ledger import AMOUNTS, COUNTS, Ledger, UsageRecord, rebuild_rollup
 from gateway.pipeline import Pipeline

@@ -18,7 +18,7 @@ import logging
 
 import torch
 
-from engines.layers.attention import AttentionBackend, AttentionMetadata, DecodeGroup, RowTables
+from engines.kernels.metadata import AttentionBackend, AttentionMetadata, DecodeGroup, RowTables
 from engines.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)

@@ -1,18 +1,18 @@
 """The engine: requests in, one `step` at a time, outputs out.
 
-Each step the scheduler picks which sequences compute how many tokens, the model runner computes them
-in one batched forward over the paged KV cache and samples, and the engine turns sampled tokens into
-outputs, registers newly full blocks in the prefix cache and frees the blocks of finished requests.
+Each step the scheduler picks which sequences compute how many tokens (`_schedule`), the model runner
+computes them in one batched forward over the paged KV cache (`_forward`), the sampler picks each finished
+target's next token or the verifier keeps drafted ones (`_sample`), and the engine turns the tokens into
+outputs, registers newly full blocks in the prefix cache and frees the blocks of finished requests
+(`_postprocess`).
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
-import statistics
 import time
-from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,28 +23,24 @@ from engines.checkpoints.loader import load_model
 from engines.detokenizer import IncrementalDetokenizer
 from engines.kv.budget import KVBudget
 from engines.kv.cache import PagedKVCache, bytes_per_block
-from engines.kv.tier import KVTier, TierLink
+from engines.kv.tier import KVTier
+from engines.kv.tier_link import TierLink
 from engines.model_runner import Chunk, ModelRunner
 from engines.models.llama import LlamaForCausalLM
+from engines.protocol import BlockUse, EngineStats, KVMemory, QueueStats, RequestRejected, StepMeter, check_context
 from engines.request import EngineRequest, FinishReason, GenerationHook, RequestOutput, TokenLogprob
 from engines.sampling import sample
-from engines.scheduler import Scheduler
+from engines.scheduler import ScheduledBatch, Scheduler
 from engines.sequence import Sequence
 from engines.speculative.acceptance import accept
-from engines.speculative.proposers import Draft, DraftProposer, NgramProposer
-from engines.speculative.speculator import SpeculativeConfig, Speculator
+from engines.speculative.proposers import Draft
+from engines.speculative.speculator import SpeculativeConfig, build_speculator
 from engines.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from engines.structured import GrammarCompiler
 
-
-class RequestRejected(ValueError):
-    """The request cannot be served as asked (too long, bad token ids); the message says why."""
-
-    def __init__(self, message: str, code: str | None = None) -> None:
-        super().__init__(message)
-        self.code = code
+__all__ = ["Engine", "EngineConfig", "EngineStats", "RequestRejected", "check_context", "token_logprobs"]
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> tuple[TokenLogprob, ...]:
@@ -57,20 +53,6 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> tuple[Tok
         TokenLogprob(t, c, tuple(zip(ids, ps, strict=True)))
         for t, c, ids, ps in zip(tokens, chosen, top_i.tolist(), top_p.tolist(), strict=True)
     )
-
-
-def check_context(prompt_token_ids: list[int], max_tokens: int, max_model_len: int) -> None:
-    """Raise `RequestRejected` for an empty prompt or one that with `max_tokens` passes the context."""
-    n = len(prompt_token_ids)
-    if n == 0:
-        raise RequestRejected("the prompt is empty")
-    if n + max_tokens > max_model_len:
-        raise RequestRejected(
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{n + max_tokens} tokens ({n} in the messages, {max_tokens} in the completion). "
-            "Please reduce the length of the messages or completion.",
-            code="context_length_exceeded",
-        )
 
 
 @dataclass(frozen=True)
@@ -86,35 +68,23 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
 
-@dataclass(frozen=True)
-class EngineStats:
-    waiting: int
-    running: int
-    kv_blocks_total: int
-    kv_blocks_used: int
-    kv_blocks_free: int
-    kv_blocks_cached: int
-    kv_utilization: float
-    prefix_queried_tokens: int
-    prefix_hit_tokens: int
-    prefix_hit_rate: float
-    evictions: int
-    preemptions: int
-    steps: int
-    tokens_computed: int  # prompt and generated tokens that went through the model
-    tokens_generated: int
-    step_ms_p50: float  # over the last 100 steps
-    step_tokens_p50: float
-    block_size: int
-    kv_cache_bytes: int
-    kv_budget_bytes: int  # the byte budget this engine shares with other tiers (0: a pool of its own)
-    kv_budget_used_bytes: int  # of it, in use by every engine drawing on it
-    speculative: dict[str, float | int]  # proposed, accepted, acceptance rate, mean accepted length
-    kv_tier: dict[str, float | int] = field(default_factory=dict)  # kv_tier_*: blocks, bytes, errors (if on)
+@dataclass
+class StepPlan:
+    """One step's work: the scheduled batch, the drafts of its speculating sequences (by batch index),
+    and per sequence the chunk of tokens the model computes (its drafts appended)."""
 
-    def as_dict(self) -> dict[str, float | int]:
-        d = asdict(self)
-        return {**d, **d.pop("speculative"), **d.pop("kv_tier")}
+    batch: ScheduledBatch
+    drafts: dict[int, Draft]
+    chunks: list[Chunk]
+    rows: list[int] = field(init=False)  # each chunk's first row in the step's logits
+
+    def __post_init__(self) -> None:
+        self.rows = [0, *itertools.accumulate(c.num_logits for c in self.chunks)]
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens through the model, drafts included."""
+        return sum(len(c.token_ids) for c in self.chunks)
 
 
 class Engine:
@@ -142,39 +112,27 @@ class Engine:
         if config.kv_cache_dtype not in kv_dtypes:
             raise ValueError(f"kv_cache_dtype must be one of {sorted(kv_dtypes)}, not {config.kv_cache_dtype!r}")
         kv_dtype = kv_dtypes[config.kv_cache_dtype]
-        per_block = bytes_per_block(
-            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, config.block_size, self.dtype, kv_dtype
-        )
+        shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+        per_block = bytes_per_block(*shape, config.block_size, self.dtype, kv_dtype)
         self.kv_budget = kv_budget
         num_blocks = (kv_budget.total_bytes if kv_budget else config.kv_cache_bytes) // per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} holds no block of {per_block} bytes")
         graphs = config.cuda_graphs and model.device.type == "cuda"
+        # CUDA graphs: one scratch block past the manager's, for padding rows
         self.cache = PagedKVCache(
-            cfg.num_hidden_layers,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-            num_blocks + graphs,  # CUDA graphs: one scratch block past the manager's, for padding rows
-            config.block_size,
-            self.dtype,
-            kv_dtype,
-            device=model.device,
+            *shape, num_blocks + graphs, config.block_size, self.dtype, kv_dtype, device=model.device
         )
-        owner = name or cfg.architecture
         self.block_manager = BlockManager(
             num_blocks,
             config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
             budget=kv_budget,
             block_bytes=per_block,
-            owner=owner,
+            owner=name or cfg.architecture,
         )
-        # What the tier's blocks must match besides the checkpoint: anything that changes the bytes.
-        layout = (
-            f"{model.weights_format}|{self.dtype}|kv={kv_dtype}|bs={config.block_size}"
-            f"|{cfg.num_hidden_layers}x{cfg.num_key_value_heads}x{cfg.head_dim}"
-        )
-        self.kv_tier = None if kv_tier is None else TierLink(kv_tier, self.cache, self.block_manager, layout)
+        link = None if kv_tier is None else TierLink(kv_tier, self.cache, self.block_manager, model.weights_format)
+        self.kv_tier = link
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
@@ -186,34 +144,13 @@ class Engine:
             self.runner.enable_cuda_graphs(num_blocks, -(-self.max_model_len // config.block_size))
         # The model is part of every block hash: a shared pool never mixes two models' keys.
         self.salt = name or f"{cfg.architecture}:{cfg.hidden_size}x{cfg.num_hidden_layers}:{self.dtype}"
-        self.speculator = self._speculator(config.speculative, draft_model)
+        self.speculator = build_speculator(
+            config.speculative, model, draft_model, tokenizer, block_size=config.block_size, salt=self.salt,
+            budget=kv_budget,
+        )  # fmt: skip
         self._seqs: dict[str, Sequence] = {}
         self._arrival = itertools.count()
-        self._steps = self._computed = self._generated = 0
-        self._recent: deque[tuple[float, int]] = deque(maxlen=100)  # (step seconds, tokens)
-
-    def _speculator(self, spec: SpeculativeConfig, draft_model: LlamaForCausalLM | None) -> Speculator | None:
-        if spec.method == "off":
-            return None
-        if spec.method == "ngram":
-            return Speculator(spec, NgramProposer(spec.ngram_max, spec.ngram_min))
-        if draft_model is None:
-            raise ValueError('speculative method "draft" needs a draft model')
-        if draft_model.config.vocab_size > self.model.config.vocab_size:
-            raise ValueError("the draft model's vocabulary is larger than the target's")
-        proposer = DraftProposer(
-            draft_model,
-            spec.draft_kv_cache_bytes,
-            self.config.block_size,
-            salt=f"draft|{self.salt}",
-            budget=self.kv_budget,
-        )
-        if spec.draft_vocab:
-            from engines.speculative.draft_head import frequent_token_ids
-
-            vocab = draft_model.config.vocab_size
-            proposer.runner.restrict_vocab(frequent_token_ids(self.tokenizer, vocab, spec.draft_vocab))
-        return Speculator(spec, proposer)
+        self.meter = StepMeter()
 
     @classmethod
     def from_dir(
@@ -248,19 +185,9 @@ class Engine:
 
     def check(self, prompt_token_ids: list[int], max_tokens: int) -> None:
         """Raise `RequestRejected` if this prompt and token budget cannot be served."""
-        check_context(prompt_token_ids, max_tokens, self.max_model_len)
-        n = len(prompt_token_ids)
-        # A sequence must fit in the pool on its own, or preemption could never make room for it.
         capacity = self.block_manager.num_blocks * self.config.block_size
-        if n + max_tokens > capacity:
-            raise RequestRejected(
-                f"This server's KV cache holds {capacity} tokens per sequence; you requested {n + max_tokens}. "
-                "Please reduce the length of the messages or completion.",
-                code="context_length_exceeded",
-            )
         vocab = self.model.config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise RequestRejected(f"prompt token ids must lie in [0, {vocab})")
+        check_context(prompt_token_ids, max_tokens, self.max_model_len, kv_capacity=capacity, vocab_size=vocab)
 
     def add_request(self, request: EngineRequest) -> None:
         if request.request_id in self._seqs:
@@ -295,9 +222,19 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
+        if (plan := self._schedule()) is None:
+            return []
+        logits = self._forward(plan)
+        outputs = self._postprocess(plan, logits, self._sample(plan, logits))
+        generated = sum(len(o.new_token_ids) for o in outputs)
+        self.meter.record(time.perf_counter() - started, plan.batch.num_tokens, plan.num_tokens, generated)
+        return outputs
+
+    def _schedule(self) -> StepPlan | None:
+        """The scheduler's batch, with drafts for its speculating sequences; None when nothing runs."""
         batch = self.scheduler.schedule()
         if not batch.seqs:
-            return []
+            return None
         drafts: dict[int, Draft] = {}
         if self.speculator is not None:
             budget = self.config.max_num_batched_tokens - batch.num_tokens
@@ -313,76 +250,81 @@ class Engine:
             chunks.append(
                 Chunk(seq.token_ids[done : done + n] + draft, done, seq.block_table.block_ids, ends + len(draft))
             )
-        forward_started = time.perf_counter()
+        return StepPlan(batch, drafts, chunks)
+
+    def _forward(self, plan: StepPlan) -> torch.Tensor:
+        """The step's logits; the forward's time feeds the KV tier's and the speculator's cost estimates."""
+        chunks = plan.chunks
+        started = time.perf_counter()
         logits = self.runner.forward(chunks)
         if self.kv_tier is not None:  # what computing a prompt block costs, the tier's yardstick
             prompt = sum(len(c.token_ids) for c in chunks if len(c.token_ids) > c.num_logits)
-            total = sum(len(c.token_ids) for c in chunks)
-            self.kv_tier.observe_prefill(prompt, total, time.perf_counter() - forward_started)
+            self.kv_tier.observe_prefill(prompt, plan.num_tokens, time.perf_counter() - started)
         if self.speculator is not None and all(len(c.token_ids) == c.num_logits for c in chunks):
             # Decode and verification steps only: prefill chunks cost per token what decode rows don't.
-            self.speculator.record_step(sum(len(c.token_ids) for c in chunks), time.perf_counter() - forward_started)
-        plain = [i for i, c in enumerate(chunks) if c.num_logits and i not in drafts]
-        rows = [0, *itertools.accumulate(c.num_logits for c in chunks)]  # each chunk's first logits row
+            self.speculator.record_step(plan.num_tokens, time.perf_counter() - started)
+        return logits
+
+    def _sample(self, plan: StepPlan, logits: torch.Tensor) -> dict[int, list[int]]:
+        """The tokens each sequence appends, by batch index: one sampled token where its target is computed,
+        or a verification's kept drafts and one more. Prefill chunks short of their prompt's end get none."""
+        seqs, rows, drafts = plan.batch.seqs, plan.rows, plan.drafts
+        plain = [i for i, c in enumerate(plan.chunks) if c.num_logits and i not in drafts]
         for i in plain:
-            if (constraint := batch.seqs[i].constraint) is not None:
+            if (constraint := seqs[i].constraint) is not None:
                 constraint.mask(logits[rows[i]])  # in place: only tokens the grammar allows can be drawn
-        sampled = dict(
-            zip(plain, sample(logits[[rows[i] for i in plain]], [batch.seqs[i].sampling for i in plain]), strict=True)
-        )
+        sampled = sample(logits[[rows[i] for i in plain]], [seqs[i].sampling for i in plain])
+        tokens = {i: [token] for i, token in zip(plain, sampled, strict=True)}
+        for i in sorted(drafts):
+            d = drafts[i]
+            tokens[i] = accept(logits[rows[i] : rows[i] + len(d.tokens) + 1], d.tokens, d.probs, seqs[i].sampling)
+        return tokens
+
+    def _postprocess(self, plan: StepPlan, logits: torch.Tensor, tokens: dict[int, list[int]]) -> list[RequestOutput]:
+        """Append the tokens and turn them into outputs; finished sequences leave, and hooks see their
+        requests' outputs (and may end them)."""
         outputs = []
         watched: list[tuple[GenerationHook, RequestOutput]] = []  # outputs of requests with a hook
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new, strict=True)):
-            if i in drafts:
-                draft = drafts[i]
-                tokens = accept(
-                    logits[rows[i] : rows[i] + len(draft.tokens) + 1], draft.tokens, draft.probs, seq.sampling
-                )
-            elif i in sampled:
-                tokens = [sampled[i]]
-            else:
+        for i, (seq, n) in enumerate(zip(plan.batch.seqs, plan.batch.num_new, strict=True)):
+            if i not in tokens:
                 seq.num_computed += n  # a prefill chunk that has not reached the end of its prompt yet
                 self.block_manager.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed)
                 continue
-            appended = []
-            for token in tokens:
-                seq.append(token, self.max_model_len)
-                appended.append(token)
-                if seq.finish_reason is not None:
-                    break
-            hook = seq.request.hook
-            logprobs: tuple[TokenLogprob, ...] = ()
-            if hook is not None and hook.top_logprobs > 0:  # token j was sampled from logits row rows[i] + j
-                logprobs = token_logprobs(logits[rows[i] : rows[i] + len(appended)], appended, hook.top_logprobs)
-            # Every token but the newest now has its KV: after a verification, the last token and the
-            # kept drafts; the rejected drafts' positions roll back and their blocks go back.
-            seq.num_computed = len(seq.token_ids) - 1
-            if i in drafts:
-                self.block_manager.truncate(seq.block_table, seq.num_computed)
-            self.block_manager.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed)
-            if self.kv_tier is not None and seq.num_generated == len(appended):  # its prompt just completed
-                self.kv_tier.offload(seq)
-            if i in drafts and self.speculator is not None:
-                self.speculator.verified(seq, len(drafts[i].tokens), len(tokens) - 1, len(appended))
-                seq.draft_proposed += len(drafts[i].tokens)
-                seq.draft_accepted += min(len(tokens) - 1, len(appended))  # billed: never past the end
-            outputs.append(seq.output(appended, logprobs))
-            if hook is not None:
-                watched.append((hook, outputs[-1]))
+            outputs.append(self._advance(seq, tokens[i], plan.drafts.get(i), logits[plan.rows[i] :]))
+            if seq.request.hook is not None:
+                watched.append((seq.request.hook, outputs[-1]))
             if seq.finish_reason is not None:
                 del self._seqs[seq.request_id]
                 self._finish(seq)
         if watched:
             outputs += self._run_hooks(watched)
         if self.speculator is not None:
-            started_now = [seq for seq in batch.seqs if seq.num_generated == 1 and seq.finish_reason is None]
-            if started_now:
-                self.speculator.prefilled(len(batch.seqs), started_now)
-        self._steps += 1
-        self._computed += sum(len(c.token_ids) for c in chunks)
-        self._generated += sum(len(o.new_token_ids) for o in outputs)
-        self._recent.append((time.perf_counter() - started, batch.num_tokens))
+            self.speculator.prefilled(plan.batch)
         return outputs
+
+    def _advance(self, seq: Sequence, tokens: list[int], draft: Draft | None, logits: torch.Tensor) -> RequestOutput:
+        """Append `tokens` to `seq` up to its finish; `logits` from the row its first token was drawn from."""
+        appended = []
+        for token in tokens:
+            seq.append(token, self.max_model_len)
+            appended.append(token)
+            if seq.finish_reason is not None:
+                break
+        hook = seq.request.hook
+        logprobs: tuple[TokenLogprob, ...] = ()
+        if hook is not None and hook.top_logprobs > 0:  # token j was sampled from logits row j
+            logprobs = token_logprobs(logits[: len(appended)], appended, hook.top_logprobs)
+        # Every token but the newest now has its KV: after a verification, the last token and the
+        # kept drafts; the rejected drafts' positions roll back and their blocks go back.
+        seq.num_computed = len(seq.token_ids) - 1
+        if draft is not None:
+            self.block_manager.truncate(seq.block_table, seq.num_computed)
+        self.block_manager.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed)
+        if self.kv_tier is not None and seq.num_generated == len(appended):  # its prompt just completed
+            self.kv_tier.offload(seq)
+        if draft is not None and self.speculator is not None:
+            self.speculator.verified(seq, len(draft.tokens), len(tokens) - 1, len(appended))
+        return seq.output(appended, logprobs)
 
     def _run_hooks(self, watched: list[tuple[GenerationHook, RequestOutput]]) -> list[RequestOutput]:
         """Show this step's outputs to their requests' hooks; end the sequences the hooks decide to end,
@@ -408,30 +350,13 @@ class Engine:
             self.speculator.release(seq)
 
     def stats(self) -> EngineStats:
-        kv = self.block_manager.stats()
-        recent = list(self._recent)
+        scheduler, budget = self.scheduler, self.kv_budget
+        total, used = (budget.total_bytes, budget.used_bytes) if budget else (0, 0)
         return EngineStats(
-            waiting=len(self.scheduler.waiting),
-            running=len(self.scheduler.running),
-            kv_blocks_total=kv.num_blocks,
-            kv_blocks_used=kv.used,
-            kv_blocks_free=kv.free,
-            kv_blocks_cached=kv.cached,
-            kv_utilization=round(kv.utilization, 4),
-            prefix_queried_tokens=kv.prefix_queried_tokens,
-            prefix_hit_tokens=kv.prefix_hit_tokens,
-            prefix_hit_rate=round(kv.prefix_hit_rate, 4),
-            evictions=kv.evictions,
-            preemptions=self.scheduler.num_preemptions,
-            steps=self._steps,
-            tokens_computed=self._computed,
-            tokens_generated=self._generated,
-            step_ms_p50=round(statistics.median(s for s, _ in recent) * 1000, 3) if recent else 0.0,
-            step_tokens_p50=statistics.median(n for _, n in recent) if recent else 0.0,
-            block_size=self.config.block_size,
-            kv_cache_bytes=self.cache.nbytes,
-            kv_budget_bytes=self.kv_budget.total_bytes if self.kv_budget else 0,
-            kv_budget_used_bytes=self.kv_budget.used_bytes if self.kv_budget else 0,
+            QueueStats(waiting=len(scheduler.waiting), running=len(scheduler.running)),
+            BlockUse.of(self.block_manager.stats()),
+            self.meter.work(scheduler.num_preemptions),
+            KVMemory(self.config.block_size, self.cache.nbytes, total, used),
             speculative=self.speculator.stats.as_dict() if self.speculator else {},
             kv_tier=self.kv_tier.stats.as_dict() if self.kv_tier else {},
         )

@@ -7,7 +7,7 @@ of a speculative step) go through the output head.
 
 A step with a single token runs it twice: bf16 matmuls take another kernel for one row than for two or
 more, whose rows are bit-identical for any row count, so padding keeps a lone request's greedy answer
-the same as when it shares steps with others (see `engines.layers.attention` for the attention half).
+the same as when it shares steps with others (see `engines.kernels.reference` for the attention half).
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ import torch
 
 from engines.cuda_graphs import DecodeGraphs
 from engines.kernels.backends import backend_for
+from engines.kernels.metadata import AttentionMetadata
+from engines.kernels.quantize import quantize_int8
 from engines.kv.cache import PagedKVCache
-from engines.layers.attention import AttentionMetadata
 from engines.layers.linear import Linear
 from engines.models.llama import LlamaForCausalLM
 
@@ -59,8 +60,6 @@ class ModelRunner:
 
     def restrict_vocab(self, ids: torch.Tensor) -> None:
         """Compute logits for `ids` only (a draft's cheap head); the rest read -inf."""
-        from engines.speculative.draft_head import restricted_head
-
         self.vocab, self.head = ids, restricted_head(self.model, ids)
 
     @torch.inference_mode()
@@ -112,3 +111,19 @@ class ModelRunner:
         logits = torch.full((n, self.model.config.vocab_size), float("-inf"))
         logits[:, self.vocab] = self.head(hidden)[:n].float().cpu()
         return logits
+
+
+@torch.inference_mode()
+def restricted_head(model: LlamaForCausalLM, ids: torch.Tensor) -> Linear:
+    """A head computing the logits of `ids` only, in the model's head format (int8 stays int8)."""
+    head = model.lm_head
+    hidden = model.config.hidden_size
+    # The head applied to the identity gives its (dequantized) weights whatever kernel holds them.
+    weight = head(torch.eye(hidden, dtype=model.dtype)).float()[:, ids].T.contiguous()
+    sub = Linear(hidden, len(ids))
+    if head.format == "bf16":
+        sub.weight = torch.nn.Parameter(weight.to(model.dtype), requires_grad=False)
+        sub.prepare()
+    else:
+        sub.set_quantized(quantize_int8(weight), model.dtype)
+    return sub

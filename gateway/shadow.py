@@ -36,8 +36,7 @@ from pathlib import Path
 import anyio
 
 from core.settings import Settings
-from engines.engine import RequestRejected
-from engines.protocol import EngineUnavailable, TierEngine
+from engines.protocol import EngineUnavailable, RequestRejected, TierEngine
 from engines.request import EngineRequest, FinishReason
 from engines.sampling import SamplingParams
 from gateway.errors import from_budget

@@ -28,8 +28,7 @@ from typing import Any
 import anyio
 import numpy as np
 
-from engines.engine import RequestRejected
-from engines.protocol import TierEngine
+from engines.protocol import RequestRejected, TierEngine
 from engines.request import EngineRequest, FinishReason, GenerationHook
 from engines.sampling import SamplingParams
 from policies.policy import Policy

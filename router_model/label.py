@@ -28,7 +28,8 @@ from tqdm import tqdm
 
 from core.settings import Settings, TierSettings
 from engines.async_engine import AsyncEngine
-from engines.engine import Engine, RequestRejected
+from engines.engine import Engine
+from engines.protocol import RequestRejected
 from engines.request import EngineRequest, RequestOutput
 from engines.sampling import SamplingParams
 from grading.datasets import SOURCES, Item, load_items

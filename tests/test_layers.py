@@ -93,3 +93,55 @@ def test_a_cycle_between_packages_is_caught() -> None:
     # verifiers → policies is allowed alone; policies → verifiers as well makes a cycle (and points up)
     problems = violations(package_edges(extra={"policies/planted.py": "import verifiers.base\n"}))
     assert any("import each other" in p for p in problems), problems
+
+
+# --- small rooms: the limits the layout keeps ------------------------------------------------------------
+
+MAX_FILE_LINES = 500
+MAX_FUNCTION_LINES = 80
+MAX_DATACLASS_FIELDS = 15
+MAX_ENGINE_TOP_MODULES = 15  # engine, scheduler, block manager, sequence, runner...; the rest in sub-packages
+
+
+def _is_dataclass(node: ast.ClassDef) -> bool:
+    for d in node.decorator_list:
+        target = d.func if isinstance(d, ast.Call) else d
+        if (isinstance(target, ast.Name) and target.id == "dataclass") or (
+            isinstance(target, ast.Attribute) and target.attr == "dataclass"
+        ):
+            return True
+    return False
+
+
+def oversized(sources: dict[str, str]) -> list[str]:
+    """Files, functions and dataclasses past the limits, in `sources` (path → text)."""
+    problems = []
+    for rel, text in sources.items():
+        if (lines := text.count("\n")) > MAX_FILE_LINES:
+            problems.append(f"{rel}: {lines} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                if (length := (node.end_lineno or node.lineno) - node.lineno + 1) > MAX_FUNCTION_LINES:
+                    problems.append(f"{rel}:{node.lineno} {node.name}: {length} lines")
+            elif isinstance(node, ast.ClassDef) and _is_dataclass(node):
+                fields = sum(isinstance(s, ast.AnnAssign) for s in node.body)
+                if fields > MAX_DATACLASS_FIELDS:
+                    problems.append(f"{rel}:{node.lineno} {node.name}: {fields} fields")
+    return problems
+
+
+def test_files_functions_and_dataclasses_stay_small() -> None:
+    sources = {p.relative_to(ROOT).as_posix(): p.read_text() for pkg in LAYERS for p in (ROOT / pkg).rglob("*.py")}
+    assert oversized(sources) == []
+
+
+def test_the_size_check_catches_each_limit() -> None:
+    long_function = "def f() -> None:\n" + "    x = 1\n" * MAX_FUNCTION_LINES
+    wide = "@dataclass(frozen=True)\nclass C:\n" + "".join(f"    f{i}: int\n" for i in range(16))
+    long_file = "x = 1\n" * (MAX_FILE_LINES + 1)
+    problems = oversized({"a.py": long_function, "b.py": wide, "c.py": long_file})
+    assert [p.split(":")[0] for p in problems] == ["a.py", "b.py", "c.py"]
+
+
+def test_the_engine_keeps_few_modules_on_top() -> None:
+    assert len(list((ROOT / "engines").glob("*.py"))) <= MAX_ENGINE_TOP_MODULES

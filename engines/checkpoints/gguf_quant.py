@@ -14,7 +14,7 @@ import torch
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize
 
-from engines.checkpoints.quantize import INT4_GROUP, QuantizedWeight, can_int4, pack_int4, quantize
+from engines.kernels.quantize import INT4_GROUP, QuantizedWeight, can_int4, pack_int4, quantize
 
 FOUR_BIT = {QT.Q4_0, QT.Q4_1, QT.Q4_K}
 # 5-bit blocks are closer to 4 than to 8 bits: under an int4 target they become int4.

@@ -7,7 +7,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engines.checkpoints.quantize import WEIGHT_FORMATS
+from engines.checkpoints.quant_state import calibration_ids, is_quantized_dir, load_state, quantized_state
+from engines.kernels.quantize import WEIGHT_FORMATS, QuantizedWeight
 from engines.models import build_model
 from engines.models.config import ModelConfig, UnsupportedModelError
 from engines.models.llama import LlamaForCausalLM
@@ -48,7 +49,6 @@ def load_model(
     `weights`: None serves the directory as stored; "int8"/"int4" quantize a float checkpoint while
     loading (a quantized directory must match); "bf16" refuses a quantized directory.
     """
-    from engines.checkpoints.quantized import calibration_ids, is_quantized_dir, quantized_state
     from engines.tokenizer import Tokenizer
 
     model_dir = Path(model_dir)
@@ -100,8 +100,6 @@ def _load_float(model_dir: Path, dtype: torch.dtype) -> LlamaForCausalLM:
 
 
 def _load_quantized(model_dir: Path, dtype: torch.dtype, weights: str | None, device: torch.device) -> LlamaForCausalLM:
-    from engines.checkpoints.quantized import load_state
-
     config, state = load_state(model_dir)
     if weights is not None and weights != config["weights"]:
         raise UnsupportedModelError(f"{model_dir} holds {config['weights']} weights, not {weights}")
@@ -114,10 +112,8 @@ def _load_quantized(model_dir: Path, dtype: torch.dtype, weights: str | None, de
 
 
 def apply_state(model: LlamaForCausalLM, state: dict) -> None:
-    """Put a quantized state (`engines.checkpoints.quantized`) into the model; float weights it replaces
+    """Put a quantized state (`engines.checkpoints.quant_state`) into the model; float weights it replaces
     are dropped. Every parameter left must be covered, or the checkpoint does not fit the model."""
-    from engines.checkpoints.quantize import QuantizedWeight
-
     dtype, device = model.dtype, model.device
     params = dict(model.named_parameters())
     covered: set[str] = set()

@@ -52,7 +52,7 @@ def build_moe(
     src, dst = Path(src), Path(dst)
     raw = json.loads((src / "config.json").read_text())
     cfg = ModelConfig.from_dict(raw)
-    if cfg.num_experts:
+    if cfg.moe.num_experts:
         raise UnsupportedModelError(f"{src} is already a MoE model")
     if not 1 <= top_k <= experts:
         raise ValueError("top-k must be between 1 and the number of experts")
@@ -174,8 +174,9 @@ def _corpus_ids(src: Path, num_tokens: int) -> list[int]:
 def _mlp_inputs(src: Path, cfg: ModelConfig, ids: list[int], progress: bool) -> dict[int, torch.Tensor]:
     """Each layer's MLP input (after its norm) on the calibration tokens, fp32."""
     from engines.checkpoints.loader import load_model
+    from engines.kernels.metadata import AttentionMetadata
+    from engines.kernels.reference import TorchPagedAttention
     from engines.kv.cache import PagedKVCache
-    from engines.layers.attention import AttentionMetadata, TorchPagedAttention
 
     model = load_model(src, "fp32")
     found: dict[int, list[torch.Tensor]] = {i: [] for i in range(cfg.num_hidden_layers)}

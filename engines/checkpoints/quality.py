@@ -12,13 +12,16 @@ GSM8K accuracy, the other half of the quality gate, is `gateway.model_quality`.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
 
 from engines.block_manager import BlockTable
-from engines.engine import Engine
-from engines.layers.attention import AttentionMetadata
+from engines.kernels.metadata import AttentionMetadata
+
+if TYPE_CHECKING:  # only the engine's parts are used: the engine sits above the checkpoints
+    from engines.engine import Engine
 
 # --- perplexity ------------------------------------------------------------------------------------
 

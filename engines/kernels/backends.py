@@ -1,32 +1,43 @@
 """Which implementation of each hot op runs, chosen in one place by where the tensors live.
 
 Model code calls the functions below and never asks what device it is on. Three backends implement one
-interface: `TorchBackend`, the reference (plain torch, any device); `CpuBackend`, our C++ library's fused
-ops where it builds and the shapes fit (torch otherwise); `TritonBackend`, fused Triton kernels on CUDA
-(paged attention, fused MoE, add + RMSNorm, RoPE, SiLU·mul, weight-only int8/int4 matmuls).
-`backend_for(tensor)` picks by device type; `use(device_type, backend)` swaps one in (benchmarks compare
-Triton with torch on one GPU; tests run the torch reference on the CPU).
+interface: `TorchBackend`, the reference (plain torch, any device; `engines.kernels.reference`);
+`CpuBackend`, our C++ library's fused ops where it builds and the shapes fit (torch otherwise);
+`TritonBackend`, fused Triton kernels on CUDA (paged attention, fused MoE, add + RMSNorm, RoPE, SiLU·mul,
+weight-only int8/int4 matmuls). `backend_for(tensor)` picks by device type; `use(device_type, backend)`
+swaps one in (benchmarks compare Triton with torch on one GPU; tests run the torch reference on the CPU).
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
-import torch.nn.functional as F
 
-from engines.kernels import cpu_ops
+from engines.kernels import cpu_ops, reference
+from engines.kernels.reference import MoELayer, TorchPagedAttention
 
 if TYPE_CHECKING:
-    from engines.checkpoints.quantize import QuantizedWeight
+    from engines.kernels.metadata import AttentionBackend
+    from engines.kernels.quantize import QuantizedWeight
     from engines.kv.cache import PagedKVCache
-    from engines.layers.attention import AttentionBackend
-    from engines.models.config import ModelConfig
-    from engines.models.moe import SparseMoE
 
 WeightKernel = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+class HeadShape(Protocol):
+    """What picking an attention backend needs of a model's config (`engines.models.config.ModelConfig`)."""
+
+    @property
+    def num_attention_heads(self) -> int: ...
+
+    @property
+    def num_key_value_heads(self) -> int: ...
+
+    @property
+    def head_dim(self) -> int: ...
 
 
 class TorchBackend:
@@ -38,34 +49,23 @@ class TorchBackend:
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(r), r) for r = residual + x (r = x without one); fp32 statistics, as HF transformers."""
-        r = x if residual is None else residual + x
-        h = r.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-        return weight * h.to(r.dtype), r
+        return reference.add_rms_norm(x, weight, eps, residual)
 
     def rotate(
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE on q (tokens, q_heads·D) and k (tokens, k_heads·D) → (tokens, heads, D) each."""
-        from engines.layers.blocks import apply_rotary
-
-        n = q.shape[0]
-        return apply_rotary(q.view(n, -1, head_dim), cos, sin), apply_rotary(k.view(n, -1, head_dim), cos, sin)
+        return reference.rotate(q, k, cos, sin, head_dim)
 
     def silu_mul(self, gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
-        gate, up = gate_up.split(intermediate, dim=-1)
-        return F.silu(gate) * up
+        return reference.silu_mul(gate_up, intermediate)
 
-    def attention(self, cache: PagedKVCache, cfg: ModelConfig) -> AttentionBackend:
-        from engines.layers.attention import TorchPagedAttention
-
+    def attention(self, cache: PagedKVCache, cfg: HeadShape) -> AttentionBackend:
         return TorchPagedAttention(cache)
 
-    def moe_experts(self, moe: SparseMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def moe_experts(self, moe: MoELayer, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Σ over each token's chosen experts of weight × expert(x), grouped by expert."""
-        from engines.models.moe import grouped_experts
-
-        return grouped_experts(moe, x, weights, ids)
+        return reference.grouped_experts(moe, x, weights, ids)
 
     def weight_kernel(self, qw: QuantizedWeight, dtype: torch.dtype) -> WeightKernel | None:
         """A kernel for quantized weights on this backend; None: the `engines.layers.linear` CPU kernels."""
@@ -98,7 +98,7 @@ class CpuBackend(TorchBackend):
             return cpu_ops.silu_mul(gate_up)
         return super().silu_mul(gate_up, intermediate)
 
-    def attention(self, cache: PagedKVCache, cfg: ModelConfig) -> AttentionBackend:
+    def attention(self, cache: PagedKVCache, cfg: HeadShape) -> AttentionBackend:
         from engines.kernels import cpu_attention
 
         if cpu_attention.supports(cache, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim):
@@ -134,12 +134,12 @@ class TritonBackend(TorchBackend):
 
         return triton_moe.silu_mul(gate_up, intermediate)
 
-    def attention(self, cache: PagedKVCache, cfg: ModelConfig) -> AttentionBackend:
+    def attention(self, cache: PagedKVCache, cfg: HeadShape) -> AttentionBackend:
         from engines.kernels.triton_attention import TritonPagedAttention
 
         return TritonPagedAttention(cache)
 
-    def moe_experts(self, moe: SparseMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def moe_experts(self, moe: MoELayer, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         from engines.kernels import triton_moe
 
         if any(e.gate_up_proj.weight is None for e in moe.experts):  # quantized experts: grouped path

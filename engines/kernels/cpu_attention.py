@@ -1,5 +1,5 @@
 """Attention over the paged KV cache in our CPU library: the `AttentionBackend` the model runner picks
-where `engines.kernels.cpu_ops` builds, `engines.layers.attention.TorchPagedAttention` elsewhere.
+where `engines.kernels.cpu_ops` builds, `engines.kernels.reference.TorchPagedAttention` elsewhere.
 
 Every query row, decode or prefill, is one call's worth of the same fp32 loop over its own context
 (scores, softmax, weighted values), so a token's output does not depend on what shares its step, how
@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from engines.kernels import cpu_ops
+from engines.kernels.metadata import AttentionMetadata
 from engines.kv.cache import PagedKVCache
-from engines.layers.attention import AttentionMetadata
 
 MAX_GROUP = 16  # query heads per KV head the kernel holds accumulators for
 

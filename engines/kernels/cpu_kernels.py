@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from engines.checkpoints.quantize import QuantizedWeight, unpack_int4
+from engines.kernels.quantize import QuantizedWeight, unpack_int4
 
 log = logging.getLogger(__name__)
 

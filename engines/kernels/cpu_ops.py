@@ -1,5 +1,5 @@
 """Fused decoder ops from our CPU library (`engines/kernels/csrc/cpu_ops.cpp`), each beside the torch code it
-replaces, which stays the reference and the fallback (`engines.layers.blocks` and `engines.layers.attention` pick).
+replaces, which stays the reference and the fallback (`engines.kernels.reference`; `engines.kernels.backends` picks).
 
 A decode step spent ~17 of its 60 ms (Qwen 1.5B, int4, 2 AVX2 cores) in ~60 small torch ops per layer
 and in bf16 attention matmuls, which AVX2 runs without hardware support. Norm, RoPE and SiLU·mul round

@@ -2,9 +2,8 @@
 
 Four kernels, each a small Triton program over the pool of `engines.kv.cache.PagedKVCache`:
 
-- `_store_kv_kernel` (`store_kv`): writes each new token's key and value vectors into their slots, one
-  program per (token, KV head), like vLLM's `reshape_and_cache`. With an int8 pool it quantizes the vector
-  in-kernel bit for bit like `engines.kv.cache.quantize`.
+- `_store_kv_kernel` (`store_kv`, in `engines.kernels.triton_store`): writes each new token's key and value
+  vectors into their slots first.
 - `_decode_split_kernel` + `_decode_merge_kernel` (`paged_decode`): split-KV decode in two stages, the
   design of vLLM's `paged_attention_v2` and SGLang's two-stage `decode_attention`. Stage 1 runs one program
   per (row, KV head, split): it holds every query head of that KV head's group (GQA: the group's query
@@ -16,11 +15,11 @@ Four kernels, each a small Triton program over the pool of `engines.kv.cache.Pag
   tokens × the heads of the group) walks key blocks up to the tile's last position with an online softmax,
   causal over the cached prefix plus the chunk itself (whose keys `store_kv` wrote first).
 
-Blocks are read through `engines.layers.attention.RowTables` (flat block tables, where each row's table starts,
+Blocks are read through `engines.kernels.metadata.RowTables` (flat block tables, where each row's table starts,
 how many positions it sees): every length is read on the device, so the launch needs no host sync and the
 same static buffers serve CUDA-graph replay. Keys are gathered per token (`slot = block * block_size +
 offset`), so any block size works. With an int8 pool the int8 vectors are cast to the query dtype and
-their scales fold in like `engines.layers.attention._attend`: the key scale multiplies each score, the value
+their scales fold in like `engines.kernels.reference._attend`: the key scale multiplies each score, the value
 scale each probability. Softmax runs in fp32; fp32 dots ask for IEEE precision (not TF32).
 """
 
@@ -30,107 +29,14 @@ import torch
 import triton
 import triton.language as tl
 
+from engines.kernels.metadata import AttentionMetadata
+from engines.kernels.triton_store import check_head_dim, check_layout, store_kv
 from engines.kv.cache import PagedKVCache
-from engines.layers.attention import AttentionMetadata
 
 DECODE_SPLITS = 8  # stage-1 programs per (row, KV head); a power of two (stage 2 loads them as a vector)
 DECODE_BLOCK_N = 32  # keys per step in decode
 EXTEND_BLOCK_M = 16  # query tokens per extend tile (times the group's heads: the tile's rows)
 EXTEND_BLOCK_N = 32  # keys per step in extend
-
-
-# --- KV-cache write -------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _round_half_even(x: tl.tensor) -> tl.tensor:
-    """torch.round on fp32: to nearest, ties to even. (libdevice.rint does this on the GPU but not
-    under the interpreter; floor and an exact fractional part work on both.)"""
-    down = tl.floor(x)
-    frac = x - down  # exact for |x| >= 1 (Sterbenz); in (-1, 0) its rounding cannot cross 0.5
-    odd = (down - 2.0 * tl.floor(down * 0.5)) == 1.0
-    up = (frac > 0.5) | ((frac == 0.5) & odd)
-    return tl.where(up, down + 1.0, down)
-
-
-@triton.jit
-def _store_vector(src: tl.tensor, dst: tl.tensor, scale_dst: tl.tensor, QUANT: tl.constexpr) -> None:
-    """Copy one (token, KV head) vector into the pool; int8: as `engines.kv.cache.quantize` does."""
-    x = tl.load(src)
-    if QUANT:
-        xf = x.to(tl.float32)
-        # div_rn: IEEE division like torch (a plain `/` on fp32 may lower to an approximate divide).
-        scale = tl.math.div_rn(tl.max(tl.abs(xf), axis=0), 127.0).to(scale_dst.dtype.element_ty)
-        divisor = scale.to(tl.float32)  # the stored (rounded) scale, so q * scale tracks x
-        divisor = tl.where(divisor == 0.0, 1.0, divisor)
-        q = _round_half_even(tl.math.div_rn(xf, divisor))
-        q = tl.minimum(tl.maximum(q, -127.0), 127.0)
-        tl.store(scale_dst, scale)
-        tl.store(dst, q.to(tl.int8))
-    else:
-        tl.store(dst, x)
-
-
-@triton.jit
-def _store_kv_kernel(
-    k_ptr: tl.tensor,
-    v_ptr: tl.tensor,
-    slot_mapping: tl.tensor,
-    k_cache: tl.tensor,  # this layer's (kv_heads, blocks, block_size, dim) keys / values
-    v_cache: tl.tensor,
-    k_scales: tl.tensor,  # int8 only: this layer's (kv_heads, blocks, block_size) scales
-    v_scales: tl.tensor,
-    stride_kt: int,
-    stride_kh: int,
-    stride_vt: int,
-    stride_vh: int,
-    stride_ch: int,
-    stride_cs: int,
-    stride_sh: int,
-    HEAD_DIM: tl.constexpr,
-    QUANT: tl.constexpr,
-) -> None:
-    token = tl.program_id(0)
-    head = tl.program_id(1).to(tl.int64)  # int64: offsets into a large pool can pass 2**31
-    slot = tl.load(slot_mapping + token).to(tl.int64)
-    offs = tl.arange(0, HEAD_DIM)
-    cache_offs = head * stride_ch + slot * stride_cs + offs
-    scale_offs = head * stride_sh + slot
-    src_k = k_ptr + token * stride_kt + head * stride_kh + offs
-    src_v = v_ptr + token * stride_vt + head * stride_vh + offs
-    _store_vector(src_k, k_cache + cache_offs, k_scales + scale_offs, QUANT)
-    _store_vector(src_v, v_cache + cache_offs, v_scales + scale_offs, QUANT)
-
-
-def store_kv(cache: PagedKVCache, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """`PagedKVCache.store` on the device: k/v (tokens, kv_heads, dim) into `slot_mapping`'s slots."""
-    tokens, kv_heads, dim = k.shape
-    if tokens == 0:
-        return
-    _check_head_dim(dim)
-    assert k.stride(2) == 1 and v.stride(2) == 1, "k/v need contiguous head_dim"
-    k_cache, v_cache = cache.layer(layer)
-    scales = cache.layer_scales(layer)
-    _check_layout(k_cache, v_cache, scales)
-    k_scales, v_scales = scales if scales is not None else (k_cache, v_cache)  # unused without QUANT
-    _store_kv_kernel[(tokens, kv_heads)](
-        k,
-        v,
-        slot_mapping,
-        k_cache,
-        v_cache,
-        k_scales,
-        v_scales,
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(2),
-        k_scales.stride(0),
-        HEAD_DIM=dim,
-        QUANT=scales is not None,
-    )
 
 
 # --- Attention: one online-softmax step, shared by decode and extend -----------------------------------
@@ -298,7 +204,7 @@ def paged_decode(
     if rows == 0:
         return out
     _check_queries(q, k_cache)
-    _check_layout(k_cache, v_cache, scales)
+    check_layout(k_cache, v_cache, scales)
     assert num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
     part_out = torch.empty(rows, heads, num_splits, dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(rows, heads, num_splits, dtype=torch.float32, device=q.device)
@@ -337,6 +243,55 @@ def paged_decode(
 
 
 # --- Extend: causal chunks over the paged prefix -------------------------------------------------------
+
+
+@triton.jit
+def _attend_causal(
+    q: tl.tensor,  # (ROWS, HEAD_DIM) query rows, in the model dtype
+    q_pos: tl.tensor,  # (ROWS,) each row's position: it sees the keys at positions <= its own
+    end: tl.tensor,  # keys [0, end) of the sequence are read
+    table: tl.tensor,  # the sequence's block ids
+    k_ptr: tl.tensor,  # this KV head's keys / values / their scales
+    v_ptr: tl.tensor,
+    ks_ptr: tl.tensor,
+    vs_ptr: tl.tensor,
+    stride_cs: int,
+    sm_scale: float,
+    ROWS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    QUANT: tl.constexpr,
+) -> tuple[tl.tensor, tl.tensor]:
+    """(acc, row_sum) of causal attention over the paged keys [0, end), BLOCK_N keys per `_attend_block`
+    step: the output is acc / row_sum."""
+    acc = tl.zeros((ROWS, HEAD_DIM), dtype=tl.float32)
+    row_max = tl.full((ROWS,), float("-inf"), dtype=tl.float32)
+    row_sum = tl.zeros((ROWS,), dtype=tl.float32)
+    for first in range(0, end, BLOCK_N):
+        pos = first + tl.arange(0, BLOCK_N)
+        key_ok = pos < end
+        block = tl.load(table + pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+        slot = block * BLOCK_SIZE + pos % BLOCK_SIZE
+        causal = (pos[None, :] <= q_pos[:, None]) & key_ok[None, :]
+        acc, row_max, row_sum = _attend_block(
+            q,
+            acc,
+            row_max,
+            row_sum,
+            slot,
+            key_ok,
+            causal,
+            k_ptr,
+            v_ptr,
+            ks_ptr,
+            vs_ptr,
+            stride_cs,
+            sm_scale,
+            HEAD_DIM,
+            QUANT,
+        )
+    return acc, row_sum
 
 
 @triton.jit
@@ -393,32 +348,23 @@ def _extend_kernel(
     q_pos = done + token
     end = done + tl.minimum((tile + 1) * BLOCK_M, num_new)  # keys [0, end): up to the tile's last position
 
-    acc = tl.zeros((BLOCK_M * BLOCK_G, HEAD_DIM), dtype=tl.float32)
-    row_max = tl.full((BLOCK_M * BLOCK_G,), float("-inf"), dtype=tl.float32)
-    row_sum = tl.zeros((BLOCK_M * BLOCK_G,), dtype=tl.float32)
-    for first in range(0, end, BLOCK_N):
-        pos = first + tl.arange(0, BLOCK_N)
-        key_ok = pos < end
-        block = tl.load(table + pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-        slot = block * BLOCK_SIZE + pos % BLOCK_SIZE
-        causal = (pos[None, :] <= q_pos[:, None]) & key_ok[None, :]
-        acc, row_max, row_sum = _attend_block(
-            q,
-            acc,
-            row_max,
-            row_sum,
-            slot,
-            key_ok,
-            causal,
-            k_cache + kv_head * stride_ch,
-            v_cache + kv_head * stride_ch,
-            k_scales + kv_head * stride_sh,
-            v_scales + kv_head * stride_sh,
-            stride_cs,
-            sm_scale,
-            HEAD_DIM,
-            QUANT,
-        )
+    acc, row_sum = _attend_causal(
+        q,
+        q_pos,
+        end,
+        table,
+        k_cache + kv_head * stride_ch,
+        v_cache + kv_head * stride_ch,
+        k_scales + kv_head * stride_sh,
+        v_scales + kv_head * stride_sh,
+        stride_cs,
+        sm_scale,
+        BLOCK_M * BLOCK_G,
+        BLOCK_SIZE,
+        BLOCK_N,
+        HEAD_DIM,
+        QUANT,
+    )
     out = acc / row_sum[:, None]
     out_ptrs = out_ptr + rows[:, None] * stride_or + heads[:, None] * stride_oh + offs_d[None, :]
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -448,7 +394,7 @@ def extend_attention(
     if span_start.numel() == 0 or max_new == 0:
         return out
     _check_queries(q, k_cache)
-    _check_layout(k_cache, v_cache, scales)
+    check_layout(k_cache, v_cache, scales)
     group = heads // kv_heads
     k_scales, v_scales = scales if scales is not None else (k_cache, v_cache)  # unused without QUANT
     grid = (span_start.numel(), kv_heads, triton.cdiv(max_new, EXTEND_BLOCK_M))
@@ -483,26 +429,10 @@ def extend_attention(
     return out
 
 
-def _check_head_dim(dim: int) -> None:
-    assert dim >= 16 and dim & (dim - 1) == 0, f"head_dim {dim} must be a power of two >= 16 (tl.arange, tl.dot)"
-
-
 def _check_queries(q: torch.Tensor, k_cache: torch.Tensor) -> None:
-    _check_head_dim(q.shape[-1])
+    check_head_dim(q.shape[-1])
     assert q.stride(-1) == 1, "q needs contiguous head_dim"
     assert q.shape[1] % k_cache.shape[0] == 0, "query heads must be a multiple of KV heads"
-
-
-def _check_layout(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None
-) -> None:
-    """The kernels address a slot as one stride over (blocks, block_size) and head_dim as contiguous."""
-    for cache in (k_cache, v_cache):
-        assert cache.stride(3) == 1 and cache.stride(1) == cache.shape[2] * cache.stride(2), "unexpected cache layout"
-    assert k_cache.stride() == v_cache.stride()
-    if scales is not None:
-        for s in scales:
-            assert s.stride(2) == 1 and s.stride(1) == s.shape[2] and s.stride() == scales[0].stride()
 
 
 # --- The backend ---------------------------------------------------------------------------------------

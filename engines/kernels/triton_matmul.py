@@ -1,6 +1,6 @@
 """Weight-only quantized matmuls on the GPU, in Triton: y = x @ dequant(W).T (+ bias).
 
-Activations stay floating point; the weight is read in its quantized form (`engines.checkpoints.quantize` formats,
+Activations stay floating point; the weight is read in its quantized form (`engines.kernels.quantize` formats,
 unchanged) and dequantized tile by tile in registers, so each step reads 1 or 0.5 bytes a weight instead of
 2. Each program computes one BLOCK_M x BLOCK_N output tile: it walks K in BLOCK_K slices, loads an x tile
 and the matching weight codes, turns the codes into the activations' dtype and accumulates `tl.dot` in fp32
@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engines.checkpoints.quantize import QuantizedWeight
+from engines.kernels.quantize import QuantizedWeight
 
 
 # Kernel parameters are annotated `tl.tensor`, what they are inside a kernel: Triton reads an annotation

@@ -33,8 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-if TYPE_CHECKING:  # only for the annotation: no import cycle with the model code that calls us
-    from engines.models.moe import SparseMoE
+if TYPE_CHECKING:
+    from engines.kernels.reference import MoELayer
 
 BLOCK_M = 16  # rows (pairs) per tile: the smallest tl.dot tile; decode routes few tokens per expert
 
@@ -251,8 +251,8 @@ def fused_moe(
     return down.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
 
 
-def stacked_expert_weights(moe: SparseMoE) -> tuple[torch.Tensor, torch.Tensor]:
-    """(w_gate_up (E, 2I, H), w_down (E, H, I)): a SparseMoE's float expert weights stacked for `fused_moe`.
+def stacked_expert_weights(moe: MoELayer) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w_gate_up (E, 2I, H), w_down (E, H, I)): a sparse MoE layer's float expert weights stacked for `fused_moe`.
 
     Only plain float Linear weights can be stacked: quantized experts (int8/int4 kernels) or bf16 weights
     already replaced by oneDNN's packed layout have no (out, in) float matrix left.

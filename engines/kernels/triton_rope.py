@@ -1,6 +1,6 @@
 """Rotary position embedding on the GPU, in Triton: queries and keys rotated in place, in one launch.
 
-The same rotation as `engines.layers.blocks.apply_rotary` (Neox style, HF's `rotate_half`): each head's first and
+The same rotation as `engines.kernels.reference.apply_rotary` (Neox style, HF's `rotate_half`): each head's first and
 second halves x1, x2 become x1·cos − x2·sin and x2·cos + x1·sin. q and k are column slices of the qkv
 projection's output, so the kernel rotates them where they lie (no copies), one program per (token, head)
 over the query heads then the key heads, the products in fp32 and rounded once (vLLM's and SGLang's

@@ -7,7 +7,7 @@ blocks back. Sized in bytes from config, so the number of blocks follows from th
 With `kv_dtype=torch.int8` each stored key or value vector (one token, one KV head) is kept as int8
 with one scale, absmax / 127, in the model dtype beside it: 66 bytes instead of 128 for a bf16 vector
 of 64, so about twice the blocks fit the same bytes. Attention folds the scales into its scores and
-probabilities (see `engines.layers.attention`); nothing dequantizes the pool. Each vector is quantized on its
+probabilities (see `engines.kernels.reference`); nothing dequantizes the pool. Each vector is quantized on its
 own, so a token's stored bits do not depend on what else was in its step.
 """
 

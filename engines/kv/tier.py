@@ -7,9 +7,8 @@ block size is never read. On admission, after the local prefix cache, the engine
 that follow the local hit, copies the leading run of hits into its pool, registers them in its prefix
 cache and starts the prefill after them, exactly as if it had computed them.
 
-The block manager's own hash is Python's `hash()`, which is salted per process, so the tier chains
-its own blake2b digests. A payload is one block of every layer's keys and values (and int8 scales)
-as raw bytes behind a 28-byte header (magic, version, crc32, the block's digest).
+Digests and payloads: `engines.kv.tier_blocks`. This module is the Redis side (`KVTier`); the engine
+side, restoring on admission and writing after prefill, is `engines.kv.tier_link.TierLink`.
 
 It only pays where moving a block is faster than computing it. The engine measures both (seconds
 per KV byte fetched and copied, seconds per prefill token) and skips the tier when fetching would be
@@ -36,49 +35,19 @@ from __future__ import annotations
 import hashlib
 import logging
 import queue
-import struct
 import threading
 import time
-import warnings
-import zlib
-from collections.abc import Sequence as Seq
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
-from engines.block_manager import BlockManager
-from engines.kv.cache import PagedKVCache
-
-if TYPE_CHECKING:
-    from engines.sequence import Sequence
+from engines.kv.tier_blocks import LAYOUT_VERSION, encode_block
 
 log = logging.getLogger(__name__)
 
 # For the writer thread: ("write", digests, block snapshots, scales), ("touch" | "drop", digests, None, None).
 _Write = tuple[str, list[bytes], torch.Tensor | None, torch.Tensor | None]
-
-LAYOUT_VERSION = 1
-_MAGIC = b"SBKV"
-_HEADER = struct.Struct("<4sB3xI16s")  # magic, layout version, crc32 of the body, the block's digest
-DIGEST_SIZE = 16
-
-
-# --- keys ------------------------------------------------------------------------------------------
-
-
-def chain_digests(token_ids: Seq[int], salt: str, block_size: int, num_blocks: int) -> list[bytes]:
-    """Stable digests of the first `num_blocks` full blocks, each chained through its parent's."""
-    parent = hashlib.blake2b(salt.encode(), digest_size=DIGEST_SIZE).digest()
-    out = []
-    for i in range(num_blocks):
-        tokens = token_ids[i * block_size : (i + 1) * block_size]
-        h = hashlib.blake2b(parent, digest_size=DIGEST_SIZE)
-        h.update(struct.pack(f"<{len(tokens)}I", *tokens))  # fixed width and byte order: same everywhere
-        parent = h.digest()
-        out.append(parent)
-    return out
 
 
 def checkpoint_fingerprint(model_dir: str | Path, weights: str | None = None) -> str:
@@ -99,67 +68,6 @@ def checkpoint_fingerprint(model_dir: str | Path, weights: str | None = None) ->
             f.seek(max(0, size - (1 << 20)))
             h.update(f.read())
     return h.hexdigest()
-
-
-# --- payloads --------------------------------------------------------------------------------------
-
-
-def block_payload_bytes(cache: PagedKVCache) -> int:
-    """Bytes of one block's payload: header, keys and values of every layer, scales if int8."""
-    n = cache.buffer[:, :, :, 0].numel() * cache.buffer.element_size()
-    if cache.scales is not None:
-        n += cache.scales[:, :, :, 0].numel() * cache.scales.element_size()
-    return _HEADER.size + n
-
-
-def snapshot_blocks(cache: PagedKVCache, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A copy of these blocks, block-major: (n, layers, k|v, kv_heads, block_size, head_dim) and scales."""
-    kv = torch.stack([cache.buffer[:, :, :, b] for b in block_ids])
-    scales = None if cache.scales is None else torch.stack([cache.scales[:, :, :, b] for b in block_ids])
-    return kv, scales
-
-
-def encode_block(digest: bytes, kv: torch.Tensor, scales: torch.Tensor | None) -> bytes:
-    """One block's payload from its snapshot (`kv[i]`, `scales[i]` of `snapshot_blocks`)."""
-    parts = [kv.contiguous().view(torch.uint8).numpy()]
-    if scales is not None:
-        parts.append(scales.contiguous().view(torch.uint8).numpy())
-    crc = 0
-    for p in parts:
-        crc = zlib.crc32(p, crc)
-    return b"".join([_HEADER.pack(_MAGIC, LAYOUT_VERSION, crc, digest), *parts])
-
-
-def pack_block(cache: PagedKVCache, block_id: int, digest: bytes) -> bytes:
-    kv, scales = snapshot_blocks(cache, [block_id])
-    return encode_block(digest, kv[0], None if scales is None else scales[0])
-
-
-def valid_payload(cache: PagedKVCache, payload: bytes | None, digest: bytes) -> bool:
-    """Whether `payload` is this block's, whole, in this layout (a short, stale or foreign value is a miss)."""
-    if payload is None or len(payload) != block_payload_bytes(cache):
-        return False
-    magic, version, crc, stored = _HEADER.unpack_from(payload)
-    body = memoryview(payload)[_HEADER.size :]
-    return magic == _MAGIC and version == LAYOUT_VERSION and stored == digest and zlib.crc32(body) == crc
-
-
-def unpack_block(cache: PagedKVCache, block_id: int, payload: bytes) -> None:
-    """Copy a valid payload (see `valid_payload`) into `block_id` of the pool: every layer, every slot."""
-    block = cache.buffer[:, :, :, block_id]
-    n = block.numel() * block.element_size()
-    with warnings.catch_warnings():  # read-only bytes: we copy out of them at once, never write
-        warnings.simplefilter("ignore", UserWarning)
-        src = torch.frombuffer(payload, dtype=torch.uint8, count=n, offset=_HEADER.size)
-        block.copy_(src.view(cache.buffer.dtype).view(block.shape))
-        if cache.scales is not None:
-            scales = cache.scales[:, :, :, block_id]
-            m = scales.numel() * scales.element_size()
-            src = torch.frombuffer(payload, dtype=torch.uint8, count=m, offset=_HEADER.size + n)
-            scales.copy_(src.view(cache.scales.dtype).view(scales.shape))
-
-
-# --- the Redis side --------------------------------------------------------------------------------
 
 
 @dataclass
@@ -397,113 +305,5 @@ class KVTier:
             log.warning("KV tier %s failed (%s); serving without it for %.0f s", what, exc, self._down_until - now)
 
 
-# --- the engine side -------------------------------------------------------------------------------
-
-
-class TierLink:
-    """Binds a `KVTier` to one engine's pool and block manager: restores on admission, writes after
-    prefill, and keeps the measurements that decide whether the tier pays."""
-
-    def __init__(self, tier: KVTier, cache: PagedKVCache, block_manager: BlockManager, layout: str) -> None:
-        tier.attach(layout)
-        self.tier, self.cache, self.bm = tier, cache, block_manager
-        self.block_size = block_manager.block_size
-        self.payload_bytes = block_payload_bytes(cache)
-        self._fetch_s_per_byte: float | None = None  # running averages (EMA), None until measured
-        self._prefill_s_per_token: float | None = None
-        self._skips = 0
-
-    @property
-    def stats(self) -> KVTierStats:
-        s = self.tier.stats
-        s.fetch_us_per_block = round((self._fetch_s_per_byte or 0.0) * self.payload_bytes * 1e6, 1)
-        s.prefill_us_per_block = round((self._prefill_s_per_token or 0.0) * self.block_size * 1e6, 1)
-        return s
-
-    def pays(self) -> bool:
-        """Whether fetching a block is estimated faster than computing it (yes until both are measured;
-        every 32nd refusal tries anyway, so a recovered network gets measured again)."""
-        if self._fetch_s_per_byte is None or self._prefill_s_per_token is None:
-            return True
-        if self._fetch_s_per_byte * self.payload_bytes < self._prefill_s_per_token * self.block_size:
-            return True
-        self._skips += 1
-        return self._skips % 32 == 0
-
-    def observe_prefill(self, prompt_tokens: int, total_tokens: int, seconds: float) -> None:
-        """One forward pass: counted if it was mostly prompt tokens (decode rows cost otherwise)."""
-        if prompt_tokens >= 32 and prompt_tokens * 4 >= total_tokens * 3:
-            self._prefill_s_per_token = _ema(self._prefill_s_per_token, seconds / total_tokens)
-
-    def restore(self, seq: Sequence, hit: int) -> int:
-        """Called on admission after the local prefix match (`hit` tokens): fetch the blocks that follow,
-        copy the leading run of hits into the pool and register them. Returns the tokens now computed."""
-        bs, table = self.block_size, seq.block_table
-        full = (len(seq.token_ids) - 1) // bs  # the last token is always computed, for its logits
-        start = len(table.block_ids)
-        if not self.bm.enable_prefix_caching or full - start < self.tier.min_blocks:
-            return hit
-        if not self.pays():
-            self.tier.stats.skipped += 1
-            return hit
-        started = time.perf_counter()
-        digests = chain_digests(seq.token_ids, table.salt, bs, full)[start:]
-        payloads = self.tier.fetch(digests)
-        run = 0
-        for digest, payload in zip(digests, payloads, strict=True):
-            if not valid_payload(self.cache, payload, digest):
-                if payload is not None:  # present but truncated or corrupt: count it, and clear it away
-                    with self.tier._lock:
-                        self.tier.stats.errors += 1
-                    self.tier.drop([digest])
-                break
-            run += 1
-        stats = self.tier.stats
-        stats.lookups += 1
-        if run and not self.bm.can_allocate(run):
-            run = 0  # no room: compute as usual (the scheduler waits for memory on its own terms)
-        stats.miss_blocks += len(digests) - run
-        if not run:
-            return hit
-        self.bm.allocate(table, run)
-        restored = table.block_ids[start:]
-        for block_id, payload in zip(restored, payloads, strict=False):
-            unpack_block(self.cache, block_id, payload)  # type: ignore[arg-type]
-        # Fully written: the engine must not zero them before the step as it does fresh blocks.
-        fresh = set(restored)
-        self.bm.first_use[:] = [b for b in self.bm.first_use if b not in fresh]
-        self.bm.cache_full_blocks(table, seq.token_ids, (start + run) * bs)
-        nbytes = run * self.payload_bytes
-        stats.hit_blocks += run
-        stats.bytes_read += nbytes
-        self._fetch_s_per_byte = _ema(self._fetch_s_per_byte, (time.perf_counter() - started) / nbytes)
-        self.tier.touch(digests[:run])
-        return (start + run) * bs
-
-    def offload(self, seq: Sequence) -> None:
-        """Called once a prompt's prefill has completed: queue its full blocks for Redis if the prompt is
-        long and they are not known to be there. The copy is taken now; encoding and I/O are not here."""
-        bs, table = self.block_size, seq.block_table
-        full = min(seq.prompt_len // bs, len(table.hashes))
-        if full < self.tier.min_blocks or not self._pays_now():
-            return
-        digests = chain_digests(seq.token_ids, table.salt, bs, full)
-        todo = self.tier.unwritten(digests)
-        if not todo:
-            return
-        kv, scales = snapshot_blocks(self.cache, [table.block_ids[i] for i in todo])
-        self.tier.write_async([digests[i] for i in todo], kv, scales)
-
-    def _pays_now(self) -> bool:
-        """`pays` without counting a refusal: writes follow reads' verdict."""
-        if self._fetch_s_per_byte is None or self._prefill_s_per_token is None:
-            return True
-        return self._fetch_s_per_byte * self.payload_bytes < self._prefill_s_per_token * self.block_size
-
-
 def _nbytes(kv: torch.Tensor, scales: torch.Tensor | None) -> int:
     return kv.numel() * kv.element_size() + (0 if scales is None else scales.numel() * scales.element_size())
-
-
-def _ema(old: float | None, new: float, alpha: float = 0.2) -> float:
-    return new if old is None else (1 - alpha) * old + alpha * new

@@ -56,11 +56,6 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
 def rotate(
     q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], head_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

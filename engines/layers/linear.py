@@ -7,7 +7,7 @@ CPUs and dtypes use `F.linear`. The
 packed copy replaces the plain weight, so memory does not double; a weight shared with the embedding
 keeps its plain copy there.
 
-Quantized (`engines.checkpoints.quantize` formats): decode reads every weight once per step, so fewer bytes per
+Quantized (`engines.kernels.quantize` formats): decode reads every weight once per step, so fewer bytes per
 weight is speed. Where our AVX2 kernels build (`engines.kernels.cpu_kernels`), int4 layers and uncalibrated
 int8 layers run them: integer dot products against each token's activations quantized in groups of 32,
 streaming the weight at close to memory speed. Elsewhere int4 runs torch's weight-only kernel
@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engines.checkpoints.quantize import QuantizedWeight
 from engines.kernels import cpu_kernels
 from engines.kernels.backends import backend_for
+from engines.kernels.quantize import QuantizedWeight
 
 
 def _can_pack(weight: torch.Tensor) -> bool:

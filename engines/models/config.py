@@ -15,21 +15,9 @@ class UnsupportedModelError(ValueError):
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool
-    # Sparse MoE (Qwen2-MoE / Mixtral); num_experts = 0 is a dense model.
+class MoEConfig:
+    """Sparse MoE (Qwen2-MoE / Mixtral); num_experts = 0 is a dense model."""
+
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -46,6 +34,29 @@ class ModelConfig:
         return (
             self.num_experts > 0 and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
         )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The decoder's shape; its MoE fields are in `moe`, and read as attributes too (`cfg.num_experts`)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    moe: MoEConfig = MoEConfig()
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        return self.moe.is_sparse_layer(layer)
 
     @classmethod
     def from_dict(cls, cfg: dict) -> ModelConfig:
@@ -81,7 +92,7 @@ class ModelConfig:
             # Qwen2 always carries q/k/v biases; Llama only when the config says so.
             attention_bias=arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
             or bool(cfg.get("attention_bias", False)),
-            **_moe_fields(arch, cfg),
+            moe=_moe_config(arch, cfg),
         )
 
     @classmethod
@@ -92,7 +103,7 @@ class ModelConfig:
         return cls.from_dict(json.loads(path.read_text()))
 
 
-def _moe_fields(arch: str, cfg: dict) -> dict:
+def _moe_config(arch: str, cfg: dict) -> MoEConfig:
     if arch == "Qwen2MoeForCausalLM":
         fields = dict(
             num_experts=cfg["num_experts"],
@@ -110,10 +121,18 @@ def _moe_fields(arch: str, cfg: dict) -> dict:
             moe_intermediate_size=cfg["intermediate_size"],
         )
     else:
-        return {}
+        return MoEConfig()
     weighting = cfg.get("switchboard_moe_weighting", "router")
     if weighting not in MOE_WEIGHTINGS:
         raise UnsupportedModelError(f"switchboard_moe_weighting {weighting!r} is not one of {MOE_WEIGHTINGS}")
     if not 0 < fields["num_experts_per_tok"] <= fields["num_experts"]:
         raise UnsupportedModelError("num_experts_per_tok must be between 1 and num_experts")
-    return fields | {"moe_weighting": weighting}
+    return MoEConfig(**fields, moe_weighting=weighting)
+
+
+def _moe_field(name: str) -> property:
+    return property(lambda self: getattr(self.moe, name), doc=f"`moe.{name}`")
+
+
+for _name in MoEConfig.__dataclass_fields__:  # `cfg.num_experts`, as before the grouping
+    setattr(ModelConfig, _name, _moe_field(_name))

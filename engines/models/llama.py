@@ -1,7 +1,7 @@
 """The Llama decoder (SmolLM2 and friends): RMSNorm, RoPE, grouped-query attention, SwiGLU.
 
 Tensors are flat over tokens, (num_tokens, ...), so one forward can later carry many sequences. The
-attention step itself lives in `engines.layers.attention`, behind a backend, so paged and Triton variants can
+attention layer (`engines.layers.attention`) runs the step's backend, so paged and Triton variants can
 replace it without touching the model.
 """
 
@@ -10,49 +10,28 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engines.layers.attention import AttentionBackend, AttentionMetadata
-from engines.layers.blocks import RMSNorm, RotaryEmbedding, SwiGLU, rotate
+from engines.kernels.metadata import AttentionBackend, AttentionMetadata
+from engines.layers.attention import SelfAttention
+from engines.layers.blocks import RMSNorm, RotaryEmbedding, SwiGLU
 from engines.layers.linear import Embedding, Linear
 from engines.models.config import ModelConfig
-
-
-class SelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        # q, k and v fused into one matmul: the weights are read once per step.
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size)
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        backend: AttentionBackend,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        n = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = rotate(q, k, rope, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        out = backend.forward(self.layer_idx, q, k, v, meta)
-        return self.o_proj(out.reshape(n, self.q_size))
+from engines.models.moe import SparseMoE
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = SelfAttention(cfg, layer_idx)
+        self.self_attn = SelfAttention(
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            layer_idx,
+            bias=cfg.attention_bias,
+        )
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.is_sparse_layer(layer_idx):
-            from engines.models.moe import SparseMoE
-
             self.mlp: nn.Module = SparseMoE(cfg)
         else:
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)

@@ -1,13 +1,14 @@
-"""Sparse Mixture-of-Experts decoders: Qwen2-MoE and Mixtral.
+"""The sparse Mixture-of-Experts MLP of Qwen2-MoE and Mixtral decoders (`engines.models.qwen2`, `.mixtral`).
 
 Each sparse layer's MLP is a router (a linear map to one logit per expert), E SwiGLU experts and,
 in Qwen2-MoE, a shared expert every token passes through (scaled by a sigmoid gate). A token goes to
 its top-k experts by router probability, renormalised over those k when the config says so (Mixtral
 always); `moe_weighting = "none"` sums the chosen experts unweighted (a dense MLP split into experts).
 
-Compute is grouped by expert, never looped per token: the (token, expert) pairs are sorted by
-expert, each expert runs once on all of its tokens, and the weighted results are added back into
-their rows. A step reads only the experts some token in it chose, which is where decode saves bytes.
+Compute is grouped by expert, never looped per token (the device's backend: the torch path is
+`engines.kernels.reference.grouped_experts`): the (token, expert) pairs are sorted by expert, each expert
+runs once on all of its tokens, and the weighted results are added back into their rows. A step reads
+only the experts some token in it chose, which is where decode saves bytes.
 """
 
 from __future__ import annotations
@@ -20,19 +21,19 @@ from engines.kernels.backends import backend_for
 from engines.layers.blocks import SwiGLU
 from engines.layers.linear import Linear
 from engines.models.config import ModelConfig
-from engines.models.llama import LlamaForCausalLM
 
 
 class SparseMoE(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.num_experts = cfg.num_experts
-        self.top_k = cfg.num_experts_per_tok
-        self.normalize = cfg.norm_topk_prob or cfg.architecture == "MixtralForCausalLM"
-        self.weighted = cfg.moe_weighting == "router"
-        self.gate = Linear(cfg.hidden_size, cfg.num_experts)  # the router; never quantized
-        self.experts = nn.ModuleList(SwiGLU(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
-        shared = cfg.shared_expert_intermediate_size
+        moe = cfg.moe
+        self.num_experts = moe.num_experts
+        self.top_k = moe.num_experts_per_tok
+        self.normalize = moe.norm_topk_prob or cfg.architecture == "MixtralForCausalLM"
+        self.weighted = moe.moe_weighting == "router"
+        self.gate = Linear(cfg.hidden_size, moe.num_experts)  # the router; never quantized
+        self.experts = nn.ModuleList(SwiGLU(cfg.hidden_size, moe.moe_intermediate_size) for _ in range(moe.num_experts))
+        shared = moe.shared_expert_intermediate_size
         self.shared_expert = SwiGLU(cfg.hidden_size, shared) if shared else None
         self.shared_expert_gate = Linear(cfg.hidden_size, 1) if shared and self.weighted else None
 
@@ -56,24 +57,9 @@ class SparseMoE(nn.Module):
             out += shared
         return out
 
-
-def grouped_experts(moe: SparseMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Σ over each token's chosen experts of weight × expert(x): the (token, expert) pairs sorted by expert,
-    each expert run once on all of its tokens, results added back into their rows (the torch path)."""
-    out = torch.zeros_like(x)
-    flat = ids.flatten()
-    order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
-    tokens = order // moe.top_k
-    scale = weights.flatten()[order].unsqueeze(1)
-    start = 0
-    for expert, count in enumerate(torch.bincount(flat, minlength=moe.num_experts).tolist()):
-        if not count:
-            continue
-        rows = tokens[start : start + count]
-        y = _run(moe.experts[expert], x[rows]) * scale[start : start + count]
-        out.index_add_(0, rows, y)
-        start += count
-    return out
+    def run_expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert `expert`'s SwiGLU on its tokens' rows `x` (the grouped torch path runs each expert once)."""
+        return _run(self.experts[expert], x)
 
 
 def _run(mlp: SwiGLU, x: torch.Tensor) -> torch.Tensor:
@@ -83,11 +69,3 @@ def _run(mlp: SwiGLU, x: torch.Tensor) -> torch.Tensor:
     if x.shape[0] == 1 and x.dtype == torch.bfloat16 and mlp.gate_up_proj.format == "bf16":
         return mlp(x.expand(2, -1).contiguous())[:1]
     return mlp(x)
-
-
-class Qwen2MoeForCausalLM(LlamaForCausalLM):
-    """Qwen2-MoE: Qwen2 attention (q/k/v biases) with sparse MoE MLPs."""
-
-
-class MixtralForCausalLM(LlamaForCausalLM):
-    """Mixtral: Llama attention with sparse MoE MLPs (no shared expert)."""

@@ -26,8 +26,7 @@ from typing import Any
 
 import httpx
 
-from engines.engine import RequestRejected, check_context
-from engines.protocol import EngineUnavailable
+from engines.protocol import EngineUnavailable, RequestRejected, check_context
 from engines.remote.circuit_breaker import CircuitBreaker
 from engines.request import EngineRequest, FinishReason, RequestOutput
 from engines.tokenizer import Tokenizer
@@ -159,9 +158,7 @@ class RemoteEngine:
         return self._client is not None and self.breaker.state != "open"
 
     def check(self, prompt_token_ids: list[int], max_tokens: int) -> None:
-        check_context(prompt_token_ids, max_tokens, self._max_model_len)
-        if any(not 0 <= t < self._vocab_size for t in prompt_token_ids):
-            raise RequestRejected(f"prompt token ids must lie in [0, {self._vocab_size})")
+        check_context(prompt_token_ids, max_tokens, self._max_model_len, vocab_size=self._vocab_size)
 
     def stats(self) -> RemoteStats:
         c = self.config

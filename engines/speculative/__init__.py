@@ -1,0 +1,54 @@
+"""Speculative decoding inside continuous batching: the proposers that draft (`proposers`: n-gram lookup or a
+draft model), the lossless acceptance rule and the adaptive choice of how many to draft (`acceptance`), the
+per-step glue the engine calls (`speculator`), a draft head cut to frequent tokens (`draft_head`) and the
+logit distillation of a draft toward its target (`distill`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engines.speculative.acceptance import SpecStats, accept, choose_k
+    from engines.speculative.distill import DistillConfig, distill
+    from engines.speculative.draft_head import frequent_token_ids
+    from engines.speculative.proposers import Draft, DraftProposer, NgramProposer
+    from engines.speculative.speculator import SpeculativeConfig, Speculator, build_speculator
+
+__all__ = [
+    "DistillConfig",
+    "Draft",
+    "DraftProposer",
+    "NgramProposer",
+    "SpecStats",
+    "SpeculativeConfig",
+    "Speculator",
+    "accept",
+    "build_speculator",
+    "choose_k",
+    "distill",
+    "frequent_token_ids",
+]
+
+_EXPORTS = {
+    "SpecStats": "acceptance",
+    "accept": "acceptance",
+    "choose_k": "acceptance",
+    "DistillConfig": "distill",
+    "distill": "distill",
+    "frequent_token_ids": "draft_head",
+    "Draft": "proposers",
+    "DraftProposer": "proposers",
+    "NgramProposer": "proposers",
+    "SpeculativeConfig": "speculator",
+    "Speculator": "speculator",
+    "build_speculator": "speculator",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Each public name is imported from its module on first use: importing the package imports nothing."""
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

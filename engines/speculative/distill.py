@@ -41,7 +41,7 @@ def teacher_targets(teacher_dir: Path, windows: list[list[int]], top_k: int, pro
     """(top-k ids, top-k log-probs) of the teacher at every position of each window."""
     from engines.block_manager import BlockTable
     from engines.engine import Engine, EngineConfig
-    from engines.layers.attention import AttentionMetadata
+    from engines.kernels.metadata import AttentionMetadata
 
     engine = Engine.from_dir(teacher_dir, config=EngineConfig(kv_cache_bytes=64 << 20))
     bm, bs = engine.block_manager, engine.config.block_size
@@ -87,14 +87,39 @@ def distill(
     """Train and write the distilled draft to `out_dir`; returns the KL on held-out windows before and
     after.
     `corpus_ids`: token ids to train on instead of `engines.checkpoints.corpus` text."""
-    from transformers import AutoModelForCausalLM
-
-    from engines.checkpoints.corpus import calibration_text, python_texts
-    from engines.tokenizer import Tokenizer, copy_tokenizer_files
+    from engines.tokenizer import copy_tokenizer_files
 
     config = config or DistillConfig()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    windows, held_out = _windows(student_dir, corpus_ids, config)
+    targets, held_targets = _teacher(Path(teacher_dir), out_dir, windows, held_out, config, progress)
+    torch.manual_seed(config.seed)
+    model, trainable, opt = _student(student_dir, config)
+    held = (held_out, held_targets)
+    losses, kl_before = _train(model, trainable, opt, windows, targets, held, config, out_dir, progress)
+    model.eval()
+    kl_after = held_out_kl(model, held_out, held_targets)
+    model.to(torch.bfloat16).save_pretrained(out_dir)
+    copy_tokenizer_files(Path(student_dir), out_dir)
+    summary = {
+        "kl_before": kl_before,  # on the held-out windows
+        "kl_after": kl_after,
+        "steps": len(losses),
+        "tokens": len(losses) * config.window,
+    }
+    (out_dir / "distill.json").write_text(json.dumps({"config": asdict(config), **summary}, indent=2))
+    assert all(math.isfinite(x) for x in losses), "distillation diverged"
+    return summary
+
+
+def _windows(
+    student_dir: Path, corpus_ids: list[int] | None, config: DistillConfig
+) -> tuple[list[list[int]], list[list[int]]]:
+    """(training windows, one per step; held-out windows from the corpus's end)."""
+    from engines.checkpoints.corpus import calibration_text, python_texts
+    from engines.tokenizer import Tokenizer
+
     if corpus_ids is None:
         text = calibration_text() + "\n\n" + "\n\n".join(python_texts())
         corpus_ids = Tokenizer(student_dir).encode(text)
@@ -106,20 +131,38 @@ def distill(
     windows = [ids[i : i + config.window] for i in range(0, len(ids) - config.window + 1, config.window)]
     if len(windows) < config.steps:
         raise ValueError(f"the corpus gives {len(windows)} windows, fewer than {config.steps} steps")
-    windows = windows[: config.steps]
+    return windows[: config.steps], held_out
+
+
+def _teacher(
+    teacher_dir: Path,
+    out_dir: Path,
+    windows: list[list[int]],
+    held_out: list[list[int]],
+    config: DistillConfig,
+    progress: bool,
+) -> tuple[list[tuple], list[tuple]]:
+    """The teacher's targets for the training and the held-out windows, cached in `out_dir`."""
     targets_path = out_dir / "teacher-targets.pt"  # computed once; a longer run adds the windows it lacks
     targets = torch.load(targets_path) if targets_path.is_file() else []
     if len(targets) < len(windows):
-        targets += teacher_targets(Path(teacher_dir), windows[len(targets) :], config.top_k, progress)
+        targets += teacher_targets(teacher_dir, windows[len(targets) :], config.top_k, progress)
         torch.save(targets, targets_path)
     held_path = out_dir / "teacher-held-out.pt"
     if held_path.is_file():
         held_targets = torch.load(held_path)
     else:
-        held_targets = teacher_targets(Path(teacher_dir), held_out, config.top_k, progress)
+        held_targets = teacher_targets(teacher_dir, held_out, config.top_k, progress)
         torch.save(held_targets, held_path)
+    return targets, held_targets
 
-    torch.manual_seed(config.seed)
+
+def _student(
+    student_dir: Path, config: DistillConfig
+) -> tuple[torch.nn.Module, list[torch.nn.Parameter], torch.optim.Optimizer]:
+    """The student in fp32 with only its last `train_layers` layers and final norm trainable, and their optimizer."""
+    from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(student_dir, dtype=torch.float32)
     model.train()
     layers = model.model.layers
@@ -130,7 +173,22 @@ def distill(
     )
     for p in trainable:
         p.requires_grad_(True)
-    opt = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=0.0)
+    return model, trainable, torch.optim.AdamW(trainable, lr=config.lr, weight_decay=0.0)
+
+
+def _train(
+    model: torch.nn.Module,
+    trainable: list[torch.nn.Parameter],
+    opt: torch.optim.Optimizer,
+    windows: list[list[int]],
+    targets: list[tuple],
+    held: tuple[list[list[int]], list[tuple]],
+    config: DistillConfig,
+    out_dir: Path,
+    progress: bool,
+) -> tuple[list[float], float]:
+    """Run the steps not done yet (resuming from the state file), saving every `save_every` steps; returns
+    every step's loss and the held-out KL before training."""
     start, losses = 0, []
     state_path = out_dir / STATE
     if state_path.is_file():  # resume
@@ -139,7 +197,7 @@ def distill(
         opt.load_state_dict(state["optimizer"])
         start, losses, kl_before = state["step"], state["losses"], state["kl_before"]
     else:
-        kl_before = held_out_kl(model, held_out, held_targets)
+        kl_before = held_out_kl(model, *held)
     bar = tqdm(
         range(start, config.steps), desc="distill", unit="step", initial=start, total=config.steps, disable=not progress
     )
@@ -163,16 +221,4 @@ def distill(
                 },
                 state_path,
             )
-    model.eval()
-    kl_after = held_out_kl(model, held_out, held_targets)
-    model.to(torch.bfloat16).save_pretrained(out_dir)
-    copy_tokenizer_files(Path(student_dir), out_dir)
-    summary = {
-        "kl_before": kl_before,  # on the held-out windows
-        "kl_after": kl_after,
-        "steps": len(losses),
-        "tokens": len(losses) * config.window,
-    }
-    (out_dir / "distill.json").write_text(json.dumps({"config": asdict(config), **summary}, indent=2))
-    assert all(math.isfinite(x) for x in losses), "distillation diverged"
-    return summary
+    return losses, kl_before

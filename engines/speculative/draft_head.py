@@ -1,4 +1,4 @@
-"""A draft model's output head cut down to the tokens it may propose.
+"""Which tokens a draft model may propose: its output head is cut down to them (`ModelRunner.restrict_vocab`).
 
 Qwen2.5-0.5B's head is 151,936 × 896: a quarter of the weights the draft reads per step, for
 tokens it almost never proposes. Byte-level BPE ids come in merge order, which follows corpus
@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import torch
 
-from engines.checkpoints.quantize import quantize_int8
-from engines.layers.linear import Linear
-from engines.models.llama import LlamaForCausalLM
 from engines.tokenizer import Tokenizer
 
 
@@ -43,19 +40,3 @@ def frequent_token_ids(tokenizer: Tokenizer, vocab_size: int, n: int) -> torch.T
         ids.add(fill)
         fill += 1
     return torch.tensor(sorted(ids), dtype=torch.long)
-
-
-@torch.inference_mode()
-def restricted_head(model: LlamaForCausalLM, ids: torch.Tensor) -> Linear:
-    """A head computing the logits of `ids` only, in the model's head format (int8 stays int8)."""
-    head = model.lm_head
-    hidden = model.config.hidden_size
-    # The head applied to the identity gives its (dequantized) weights whatever kernel holds them.
-    weight = head(torch.eye(hidden, dtype=model.dtype)).float()[:, ids].T.contiguous()
-    sub = Linear(hidden, len(ids))
-    if head.format == "bf16":
-        sub.weight = torch.nn.Parameter(weight.to(model.dtype), requires_grad=False)
-        sub.prepare()
-    else:
-        sub.set_quantized(quantize_int8(weight), model.dtype)
-    return sub

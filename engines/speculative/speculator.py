@@ -13,12 +13,18 @@ them go back to the pool, in the target and the draft alike.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engines.block_manager import BlockManager
 from engines.scheduler import ScheduledBatch
 from engines.sequence import Sequence
 from engines.speculative.acceptance import Acceptance, LinearCost, SpecStats, choose_k, speculates
 from engines.speculative.proposers import Draft, DraftProposer, NgramProposer
+
+if TYPE_CHECKING:
+    from engines.kv.budget import KVBudget
+    from engines.models.llama import LlamaForCausalLM
+    from engines.tokenizer import Tokenizer
 
 AMORTIZE_STEPS = 16  # steps over which a draft's catch-up on skipped tokens is expected to pay back
 PROBE_EVERY = 16  # a request whose k fell to 0 tries one draft after this many steps, then twice as
@@ -102,11 +108,13 @@ class Speculator:
             bm.truncate(seq.block_table, seq.num_computed + 1 + len(draft.tokens))
         return {i: d for i, d in zip(seqs, drafts, strict=True) if d.tokens}
 
-    def prefilled(self, batch_size: int, seqs: list[Sequence]) -> None:
-        """Sequences that just got their first token: a draft model computes their prompts now, in
-        the prefill step, for those expected to speculate at this load."""
-        if not isinstance(self.proposer, DraftProposer):
+    def prefilled(self, batch: ScheduledBatch) -> None:
+        """After a step, the batch's sequences that just got their first token: a draft model computes
+        their prompts now, in the prefill step, for those expected to speculate at this load."""
+        seqs = [seq for seq in batch.seqs if seq.num_generated == 1 and seq.finish_reason is None]
+        if not seqs or not isinstance(self.proposer, DraftProposer):
             return
+        batch_size = len(batch.seqs)
         costs = self._costs(batch_size, batch_size, max(1, len(seqs)))  # as the decode steps to come
         prior = self._global.rate(self.config.prior_acceptance)
         k = self.config.num_speculative_tokens
@@ -119,6 +127,8 @@ class Speculator:
         self.target_cost.add(tokens, seconds)
 
     def verified(self, seq: Sequence, proposed: int, kept: int, emitted: int) -> None:
+        """A verification of `proposed` drafts kept `kept` of them and appended `emitted` tokens (fewer where
+        the sequence finished on the way); the request is billed for what it saw."""
         acc = self._acceptance.setdefault(seq.request_id, Acceptance())
         acc.update(proposed, kept)
         self._global.update(proposed, kept)
@@ -131,6 +141,8 @@ class Speculator:
         s.emitted += emitted
         s.by_k[proposed] = s.by_k.get(proposed, 0) + 1
         self.proposer.rollback(seq)
+        seq.draft_proposed += proposed
+        seq.draft_accepted += min(kept, emitted)  # billed: never past the end
 
     def release(self, seq: Sequence) -> None:
         self._acceptance.pop(seq.request_id, None)
@@ -163,3 +175,32 @@ class Speculator:
             return base, per_token, 0.35 * base
         d_fixed, d_per_token = self.draft_cost.coefficients()
         return base, per_token, d_fixed / num_spec + d_per_token
+
+
+def build_speculator(
+    spec: SpeculativeConfig,
+    target: LlamaForCausalLM,
+    draft_model: LlamaForCausalLM | None,
+    tokenizer: Tokenizer,
+    *,
+    block_size: int,
+    salt: str,
+    budget: KVBudget | None,
+) -> Speculator | None:
+    """An engine's speculator for `spec`, None when it is off. `draft_model`: the proposer for method
+    "draft" (same tokenizer as the target); its KV pool draws on `budget` and hashes under `salt`."""
+    if spec.method == "off":
+        return None
+    if spec.method == "ngram":
+        return Speculator(spec, NgramProposer(spec.ngram_max, spec.ngram_min))
+    if draft_model is None:
+        raise ValueError('speculative method "draft" needs a draft model')
+    if draft_model.config.vocab_size > target.config.vocab_size:
+        raise ValueError("the draft model's vocabulary is larger than the target's")
+    proposer = DraftProposer(draft_model, spec.draft_kv_cache_bytes, block_size, salt=f"draft|{salt}", budget=budget)
+    if spec.draft_vocab:
+        from engines.speculative.draft_head import frequent_token_ids
+
+        vocab = draft_model.config.vocab_size
+        proposer.runner.restrict_vocab(frequent_token_ids(tokenizer, vocab, spec.draft_vocab))
+    return Speculator(spec, proposer)

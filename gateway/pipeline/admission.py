@@ -20,8 +20,7 @@ from decimal import Decimal
 import anyio
 
 from core.settings import Settings
-from engines.engine import RequestRejected
-from engines.protocol import TierEngine
+from engines.protocol import RequestRejected, TierEngine
 from engines.request import EngineRequest
 from engines.sampling import SamplingParams
 from engines.tokenizer import ChatTemplateError

@@ -10,8 +10,7 @@ from typing import Any, TypeVar
 
 import anyio
 
-from engines.engine import RequestRejected
-from engines.protocol import TierEngine
+from engines.protocol import RequestRejected, TierEngine
 from engines.sampling import SamplingParams
 from engines.structured import Grammar, GrammarError
 from engines.tokenizer import Tokenizer

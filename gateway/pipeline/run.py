@@ -23,8 +23,7 @@ from typing import Any, Protocol, TypeVar
 
 import anyio
 
-from engines.engine import RequestRejected
-from engines.protocol import EngineUnavailable, OutputStream
+from engines.protocol import EngineUnavailable, OutputStream, RequestRejected
 from engines.request import FinishReason, RequestOutput
 from gateway.cache_stage import CacheStage
 from gateway.errors import APIError, invalid

@@ -72,7 +72,7 @@ def test_the_triton_backend_serves_the_torch_reference_tokens(tiny_dir: Path) ->
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_quantized_linears_take_the_device_backends_kernel(weights: str) -> None:
-    from engines.checkpoints.quantize import quantize_int4, quantize_int8
+    from engines.kernels.quantize import quantize_int4, quantize_int8
     from engines.layers.linear import BackendKernel, Linear
 
     torch.manual_seed(0)

@@ -9,10 +9,11 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-import engines.layers.attention as attention
+import engines.kernels.reference as attention
 from engines.engine import Engine, EngineConfig
+from engines.kernels.metadata import AttentionMetadata
+from engines.kernels.reference import TorchPagedAttention
 from engines.kv.cache import PagedKVCache, bytes_per_block, bytes_per_token, quantize
-from engines.layers.attention import AttentionMetadata, TorchPagedAttention
 from engines.request import EngineRequest
 from engines.sampling import SamplingParams
 from tiny import tiny_hf_model

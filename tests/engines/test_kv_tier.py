@@ -14,15 +14,8 @@ import torch
 import services
 from engines.checkpoints.loader import load_model
 from engines.engine import Engine, EngineConfig
-from engines.kv.tier import (
-    KVTier,
-    block_payload_bytes,
-    chain_digests,
-    checkpoint_fingerprint,
-    pack_block,
-    unpack_block,
-    valid_payload,
-)
+from engines.kv.tier import KVTier, checkpoint_fingerprint
+from engines.kv.tier_blocks import block_payload_bytes, chain_digests, pack_block, unpack_block, valid_payload
 from engines.request import EngineRequest
 from engines.sampling import SamplingParams
 from engines.tokenizer import Tokenizer
@@ -106,7 +99,9 @@ def test_a_block_round_trips_through_redis_bit_for_bit(
 
 def test_digests_are_stable_across_processes() -> None:
     """The block manager's `hash()` is salted per process; the tier's keys must not be."""
-    code = "from engines.kv.tier import chain_digests; print(chain_digests(list(range(40)), 's', 16, 2)[1].hex())"
+    code = (
+        "from engines.kv.tier_blocks import chain_digests; print(chain_digests(list(range(40)), 's', 16, 2)[1].hex())"
+    )
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert other == chain_digests(list(range(40)), "s", 16, 2)[1].hex()
     assert chain_digests(list(range(40)), "t", 16, 2)[1].hex() != other

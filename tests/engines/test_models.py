@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from engines.checkpoints.loader import load_model
+from engines.kernels.metadata import AttentionMetadata
+from engines.kernels.reference import TorchPagedAttention
 from engines.kv.cache import PagedKVCache
-from engines.layers.attention import AttentionMetadata, TorchPagedAttention
 from engines.models.config import ModelConfig, UnsupportedModelError
 from engines.models.llama import LlamaForCausalLM
 from tiny import tiny_hf_model

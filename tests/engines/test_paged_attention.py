@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engines.kernels.metadata import AttentionMetadata
+from engines.kernels.reference import TorchPagedAttention
 from engines.kv.cache import PagedKVCache
-from engines.layers.attention import AttentionMetadata, TorchPagedAttention
 
 HEADS, KV_HEADS, DIM, BS, BLOCKS = 6, 2, 8, 4, 64
 

@@ -15,10 +15,11 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from engines.checkpoints.gguf_quant import target_format, to_quantized
 from engines.checkpoints.loader import load_model
-from engines.checkpoints.quantize import QuantizedWeight, pack_int4, quantize_int4, quantize_int8, unpack_int4
-from engines.checkpoints.quantized import QUANT_CONFIG, quantize_checkpoint
+from engines.checkpoints.quant_state import QUANT_CONFIG
+from engines.checkpoints.quantized import quantize_checkpoint
 from engines.engine import Engine, EngineConfig
 from engines.kernels import cpu_kernels
+from engines.kernels.quantize import QuantizedWeight, pack_int4, quantize_int4, quantize_int8, unpack_int4
 from engines.layers.linear import Int8Kernel, Linear
 from engines.request import EngineRequest
 from engines.sampling import SamplingParams
@@ -157,8 +158,9 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    from engines.kernels.metadata import AttentionMetadata
+    from engines.kernels.reference import TorchPagedAttention
     from engines.kv.cache import PagedKVCache
-    from engines.layers.attention import AttentionMetadata, TorchPagedAttention
 
     cfg = model.config
     cache = PagedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 8, 16, model.dtype)

@@ -36,12 +36,12 @@ from core.db.database import Database
 from core.db.models import Usage
 from core.settings import Settings, TierSettings
 from engines.async_engine import AsyncEngine
-from engines.engine import RequestRejected
-from engines.protocol import EngineUnavailable
+from engines.protocol import EngineUnavailable, RequestRejected
 from engines.remote.circuit_breaker import CircuitBreaker
 from engines.remote.engine import RemoteConfig, RemoteEngine
 from engines.request import EngineRequest, FinishReason, RequestOutput
 from engines.sampling import SamplingParams
+from gateway.deps import app_services
 from gateway.tenants import authenticate, create_key
 from gateway.tiers import check_fallbacks, load_remote
 from live import LiveServer, run_in_thread, start_server
@@ -443,7 +443,7 @@ class Gateway:
         key = self.live.new_key()
         who = authenticate(self.live.db, key)
         assert who is not None
-        self.live.app.state.policies.save(who.tenant_id, self.policy, "test")
+        app_services(self.live.app).policies.save(who.tenant_id, self.policy, "test")
         admin = create_key(self.live.db, who.tenant_name, "admin").key
         client = openai.OpenAI(base_url=f"{self.live.base_url}/v1", api_key=key, max_retries=0, timeout=120)
         return client, who.tenant_id, admin

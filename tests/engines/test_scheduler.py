@@ -151,7 +151,7 @@ def _check_refcounts(engine: Engine) -> None:
 
 
 def test_a_request_larger_than_the_pool_is_refused_up_front(tiny_dir: Path) -> None:
-    from engines.engine import RequestRejected
+    from engines.protocol import RequestRejected
 
     engine = make_engine(tiny_dir, num_blocks=4)  # 16 tokens
     with pytest.raises(RequestRejected, match="KV cache holds 16 tokens"):

@@ -8,8 +8,8 @@ import shutil
 import pytest
 import torch
 
-from engines.checkpoints.quantize import QuantizedWeight, pack_int4, quantize_int4, quantize_int8, unpack_int4
 from engines.kernels import cpu_kernels as ck
+from engines.kernels.quantize import QuantizedWeight, pack_int4, quantize_int4, quantize_int8, unpack_int4
 
 pytestmark = pytest.mark.skipif(
     not ck._cpu_has_avx2() or ck._compiler() is None, reason="needs an AVX2 CPU and a C++ compiler"

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 
 from engines.kernels import cpu_kernels, cpu_ops
 from engines.kernels.cpu_attention import NativePagedAttention
+from engines.kernels.metadata import AttentionMetadata
+from engines.kernels.reference import TorchPagedAttention, apply_rotary
 from engines.kv.cache import PagedKVCache
-from engines.layers.attention import AttentionMetadata, TorchPagedAttention
-from engines.layers.blocks import apply_rotary
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs an AVX2 CPU and a C++ compiler")
 

@@ -19,8 +19,10 @@ import torch
 import triton_support
 
 from engines.kernels import triton_attention as ta
+from engines.kernels import triton_store as ts
+from engines.kernels.metadata import AttentionMetadata
+from engines.kernels.reference import TorchPagedAttention
 from engines.kv.cache import PagedKVCache
-from engines.layers.attention import AttentionMetadata, TorchPagedAttention
 
 DIM, BLOCKS = 16, 48
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}  # max error relative to the output's max magnitude
@@ -139,7 +141,7 @@ def store_matches(case: str) -> bool:
     k, v = k.to(dtype), v.to(dtype)
     slots = torch.randperm(blocks * block_size, generator=gen)[:tokens]
     ref.store(1, slots, k, v)
-    ta.store_kv(mine, 1, slots, k, v)
+    ts.store_kv(mine, 1, slots, k, v)
     return torch.equal(mine.buffer, ref.buffer) and (ref.scales is None or torch.equal(mine.scales, ref.scales))
 
 
@@ -189,7 +191,7 @@ MUTANTS: dict[str, tuple[str, str, str, Callable[[], bool]]] = {
         lambda: attention_passes("gqa-bs4-fp32", "decode"),
     ),
     "extend-causal-off-by-one": (
-        "_extend_kernel",
+        "_attend_causal",
         "causal = (pos[None, :] <= q_pos[:, None])",
         "causal = (pos[None, :] < q_pos[:, None])",
         lambda: attention_passes("gqa3-bs8-fp16", "mixed"),
@@ -219,9 +221,10 @@ MUTANTS: dict[str, tuple[str, str, str, Callable[[], bool]]] = {
 @pytest.mark.parametrize("name", list(MUTANTS))
 def test_broken_kernel_fails_its_check(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     kernel, old, new, check = MUTANTS[name]
+    module = ts if hasattr(ts, kernel) else ta
     triton_support.poison_new_buffers(monkeypatch)
     assert check()  # the real kernel writes everything it reads back: NaN-filled buffers do not matter
-    monkeypatch.setattr(ta, kernel, triton_support.mutant(ta, kernel, old, new))
+    monkeypatch.setattr(module, kernel, triton_support.mutant(module, kernel, old, new))
     assert not check()
 
 
@@ -262,7 +265,10 @@ def test_kernels_compile_for_the_gpu(tmp_path: Path) -> None:
     ptxas, for a bf16 model (which the interpreter cannot run) and an fp16 one over an int8 pool; and
     quantization divides with IEEE rounding there (div.rn, not div.full)."""
     cases = compile_cases("bf16", False) + compile_cases("fp16", True)
-    ptx_list = triton_support.compile_for_h100("engines.kernels.triton_attention", cases, tmp_path)
-    ptx = dict(zip([f"{name}/{consts.get('QUANT')}" for name, _, consts in cases], ptx_list, strict=True))
+    ptx: dict[str, str] = {}
+    for module in (ts, ta):
+        mine = [case for case in cases if (ts if hasattr(ts, case[0]) else ta) is module]
+        ptx_list = triton_support.compile_for_h100(module.__name__, mine, tmp_path)
+        ptx |= dict(zip([f"{name}/{consts.get('QUANT')}" for name, _, consts in mine], ptx_list, strict=True))
     store = ptx["_store_kv_kernel/True"]
     assert "div.rn.f32" in store and "div.full" not in store and "cvt.rn.f16.f32" in store

@@ -1,5 +1,5 @@
 """The Triton weight-only quantized matmuls (`engines.kernels.triton_matmul`) against x @
-`QuantizedWeight.dequantize()`.T on real quantized weights (`engines.checkpoints.quantize`), run on the CPU under the
+`QuantizedWeight.dequantize()`.T on real quantized weights (`engines.kernels.quantize`), run on the CPU under the
 Triton interpreter; each check is shown to catch a deliberately broken kernel."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import torch
 import triton_support  # before the kernel modules: it sets TRITON_INTERPRET before they are decorated
 
-from engines.checkpoints.quantize import QuantizedWeight, outlier_channels, quantize_int4, quantize_int8
 from engines.kernels import triton_matmul
+from engines.kernels.quantize import QuantizedWeight, outlier_channels, quantize_int4, quantize_int8
 
 TOLERANCE = {  # (rtol, atol): fp32 sums in another order; fp16 rounds x·w's inputs and the output
     torch.float32: (1e-5, 1e-5),

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines.checkpoints.quantize import quantize
 from engines.kernels import triton_moe
-from engines.models.config import ModelConfig
+from engines.kernels.quantize import quantize
+from engines.models.config import ModelConfig, MoEConfig
 from engines.models.moe import SparseMoE
 
 H, E, K = 32, 4, 2
@@ -39,11 +39,13 @@ def tiny_moe(inter: int, *, shared: int = 0, seed: int = 0) -> SparseMoE:
         max_position_embeddings=64,
         tie_word_embeddings=False,
         attention_bias=False,
-        num_experts=E,
-        num_experts_per_tok=K,
-        moe_intermediate_size=inter,
-        shared_expert_intermediate_size=shared,
-        norm_topk_prob=False,
+        moe=MoEConfig(
+            num_experts=E,
+            num_experts_per_tok=K,
+            moe_intermediate_size=inter,
+            shared_expert_intermediate_size=shared,
+            norm_topk_prob=False,
+        ),
     )
     moe = SparseMoE(cfg)
     gen = torch.Generator().manual_seed(seed)
