@@ -145,3 +145,20 @@ def test_the_size_check_catches_each_limit() -> None:
 
 def test_the_engine_keeps_few_modules_on_top() -> None:
     assert len(list((ROOT / "engines").glob("*.py"))) <= MAX_ENGINE_TOP_MODULES
+
+
+@pytest.mark.parametrize(
+    "modules",
+    [
+        ["grading.answers", "grading.datasets", "grading.graders", "grading.sandbox"],  # text only
+        ["engines.protocol"],  # the tier protocol and its exceptions (RequestRejected): no torch for an error
+    ],
+)
+def test_light_modules_do_not_load_torch(modules: list[str]) -> None:
+    import subprocess
+    import sys
+
+    code = f"import sys\nfor m in {modules!r}: __import__(m)\nprint('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "False"
