@@ -6,3 +6,21 @@ what the gateway sees of it (`protocol`, `request`, `async_engine`), with `remot
 another server behind the same protocol. Importing this package imports nothing: `engines.checkpoints.fetch`
 stays torch-free.
 """
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+
+def lazy_exports(package: str, exports: dict[str, str]) -> Callable[[str], Any]:
+    """A sub-package's module `__getattr__`: each public name (name → module) is imported on first use,
+    so importing the sub-package imports nothing."""
+
+    def __getattr__(name: str) -> Any:
+        if name in exports:
+            return getattr(importlib.import_module(f"{package}.{exports[name]}"), name)
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return __getattr__

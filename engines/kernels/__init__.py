@@ -7,8 +7,9 @@ weight formats they read (`quantize`) and the per-step attention metadata (`meta
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from engines import lazy_exports
 
 if TYPE_CHECKING:
     from engines.kernels.backends import CpuBackend, TorchBackend, TritonBackend, backend_for, use
@@ -52,9 +53,4 @@ _EXPORTS = {
     "TorchPagedAttention": "reference",
 }
 
-
-def __getattr__(name: str) -> Any:
-    """Each public name is imported from its module on first use: importing the package imports nothing."""
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _EXPORTS)

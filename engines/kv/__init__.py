@@ -6,8 +6,9 @@ side). Which blocks a sequence holds is `engines.block_manager`'s business.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from engines import lazy_exports
 
 if TYPE_CHECKING:
     from engines.kv.budget import KVBudget
@@ -40,9 +41,4 @@ _EXPORTS = {
     "TierLink": "tier_link",
 }
 
-
-def __getattr__(name: str) -> Any:
-    """Each public name is imported from its module on first use: importing the package imports nothing."""
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _EXPORTS)

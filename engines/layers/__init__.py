@@ -6,8 +6,9 @@ once the weights are in (`linear`: prepacked bf16, int8, int4), the attention la
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from engines import lazy_exports
 
 if TYPE_CHECKING:
     from engines.layers.attention import SelfAttention
@@ -40,9 +41,4 @@ _EXPORTS = {
     "Linear": "linear",
 }
 
-
-def __getattr__(name: str) -> Any:
-    """Each public name is imported from its module on first use: importing the package imports nothing."""
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -5,8 +5,9 @@ circuit breaker that stops calling a remote that keeps failing (`circuit_breaker
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from engines import lazy_exports
 
 if TYPE_CHECKING:
     from engines.remote.circuit_breaker import CircuitBreaker
@@ -24,9 +25,4 @@ _EXPORTS = {
     "RemoteEngine": "engine",
 }
 
-
-def __getattr__(name: str) -> Any:
-    """Each public name is imported from its module on first use: importing the package imports nothing."""
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _EXPORTS)

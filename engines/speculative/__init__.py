@@ -6,8 +6,9 @@ logit distillation of a draft toward its target (`distill`).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from engines import lazy_exports
 
 if TYPE_CHECKING:
     from engines.speculative.acceptance import SpecStats, accept, choose_k
@@ -46,9 +47,4 @@ _EXPORTS = {
     "build_speculator": "speculator",
 }
 
-
-def __getattr__(name: str) -> Any:
-    """Each public name is imported from its module on first use: importing the package imports nothing."""
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _EXPORTS)
