@@ -1,5 +1,7 @@
-"""The finance page's cost chart, laid out on the server: per day, a bar for what was paid and one for
-the always-large counterfactual. The template only draws the shapes computed here."""
+"""The console's charts, laid out on the server; the templates only draw the shapes computed here.
+The finance page's cost chart: per day, a bar for what was paid and one for the always-large
+counterfactual. The routing form's curve: quality against the share of requests sent large, with the
+operating points marked."""
 
 from __future__ import annotations
 
@@ -111,3 +113,72 @@ def _nice_ceiling(m: float) -> float:
         if step * 10**exp >= m * (1 - 1e-12):
             return step * 10**exp
     return 10.0 ** (exp + 1)
+
+
+# --- the routing form's curve: quality against the share of requests sent large ---------------------------
+
+CURVE_WIDTH, CURVE_HEIGHT = 720, 300
+CURVE_LEFT, CURVE_BOTTOM = 56, 44
+MAX_CURVE_POINTS = 400  # a tenant's 5,000 prompts would make a 5,000-vertex line that reads no better
+
+
+@dataclass(frozen=True)
+class Mark:
+    kind: str  # "current" or "proposed": the CSS class that draws it
+    x: float
+    y: float
+    label: str
+    title: str
+    label_x: float  # the label sits above the point in force and below the proposed one, so two close
+    label_y: float  # points keep readable labels
+    anchor: str  # "start" or "end": away from the plot's right edge
+
+
+@dataclass
+class CurveChart:
+    width: int = CURVE_WIDTH
+    height: int = CURVE_HEIGHT
+    left: int = CURVE_LEFT
+    plot_top: int = TOP
+    plot_bottom: int = CURVE_HEIGHT - CURVE_BOTTOM
+    plot_right: int = CURVE_WIDTH - RIGHT
+    line: str = ""  # the curve: an SVG polyline's points
+    baseline: str = ""  # random routing: a straight line from all-small to all-large
+    marks: list[Mark] = field(default_factory=list)
+    y_ticks: list[Label] = field(default_factory=list)
+    x_ticks: list[Label] = field(default_factory=list)
+
+
+def curve_chart(points: list[tuple[float, float]], marks: list[tuple[str, float, float, str]]) -> CurveChart:
+    """`points`: (large share, quality), shares ascending from 0 to 1; `marks`: (kind, large share, quality,
+    label) for the operating points. Quality's axis spans the data (tenths), not 0-1: the gap between the
+    tiers is often a few points, which a 0-1 axis would flatten."""
+    chart = CurveChart()
+    if not points:
+        return chart
+    every = math.ceil(len(points) / MAX_CURVE_POINTS)
+    shown = points[::every] if points[-1] in points[::every] else [*points[::every], points[-1]]
+    ys = [q for _, q in points] + [q for _, _, q, _ in marks]
+    lo, hi = math.floor(min(ys) * 10 + 1e-9) / 10, math.ceil(max(ys) * 10 - 1e-9) / 10
+    lo, hi = max(0.0, lo), min(1.0, max(hi, lo + 0.1))
+    plot_w, plot_h = chart.plot_right - chart.left, chart.plot_bottom - chart.plot_top
+
+    def xy(share: float, quality: float) -> tuple[float, float]:
+        return round(chart.left + share * plot_w, 2), round(chart.plot_bottom - (quality - lo) / (hi - lo) * plot_h, 2)
+
+    chart.line = " ".join("{},{}".format(*xy(s, q)) for s, q in shown)
+    chart.baseline = " ".join("{},{}".format(*xy(s, q)) for s, q in (points[0], points[-1]))
+    for kind, share, quality, label in marks:
+        x, y = xy(share, quality)
+        title = f"{label}: {share:.0%} of requests large, quality {quality:.3f}"
+        anchor, dx = ("end", -10) if x > chart.plot_right - 80 else ("start", 10)
+        dy = 18 if kind == "proposed" else -10
+        chart.marks.append(Mark(kind, x, y, label, title, x + dx, y + dy, anchor))
+    steps = round((hi - lo) * 10)
+    every_tick = 1 if steps <= 5 else 2
+    for k in range(0, steps + 1, every_tick):
+        q = lo + k / 10
+        chart.y_ticks.append(Label(chart.left - 6, xy(0, q)[1], f"{q:.1f}"))
+    for k in range(0, 5):
+        chart.x_ticks.append(Label(xy(k / 4, lo)[0], chart.plot_bottom + 16, f"{k * 25}%"))
+    return chart

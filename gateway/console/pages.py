@@ -7,7 +7,7 @@ Each module below adds its pages to `router` as it is imported: in this order (t
 
 from __future__ import annotations
 
-from gateway.console import account, admin, audit, finance  # noqa: F401  (adds their routes)
+from gateway.console import account, admin, audit, finance, routing  # noqa: F401  (adds their routes)
 from gateway.console.render import router
 
 __all__ = ["router"]
