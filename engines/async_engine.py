@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -20,6 +21,7 @@ import torch
 from engines.engine import Engine, EngineStats
 from engines.protocol import EngineUnavailable  # raised by `open` when the loop is stopped or has died
 from engines.request import EngineRequest, FinishReason, RequestOutput
+from engines.sampling import SamplingParams
 from engines.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -92,6 +94,22 @@ class AsyncEngine:
         async with self.open([request]) as outputs:
             async for out in outputs:
                 yield out
+
+    async def hidden_state(self, prompt_token_ids: list[int], layer: int, cache_salt: str = "") -> torch.Tensor:
+        """A prompt's last-token hidden state after `layer` layers, from a prefill-only request run in this
+        engine's batches; the prompt's blocks stay in the prefix cache under `cache_salt`. RuntimeError
+        if the engine could not compute it (rejected, failed, stopped)."""
+        request = EngineRequest(
+            f"hidden-{uuid.uuid4().hex}", prompt_token_ids, SamplingParams(max_tokens=1),
+            cache_salt=cache_salt, hidden_layer=layer,
+        )  # fmt: skip
+        last = None
+        async for out in self.generate(request):
+            last = out
+        if last is None or last.hidden is None:
+            why = "no output" if last is None else (last.error or str(last.finish_reason))
+            raise RuntimeError(f"engine {self.name}: no hidden state ({why})")
+        return last.hidden
 
     def open(self, requests: list[EngineRequest]) -> RequestStream:
         """Submit requests and stream their outputs together (one queue for all, no task per choice).

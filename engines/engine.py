@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -194,6 +194,9 @@ class Engine:
             raise RequestRejected(f"request id {request.request_id!r} is already running")
         params = request.params
         self.check(request.prompt_token_ids, params.max_tokens)
+        layers = self.model.config.num_hidden_layers
+        if request.hidden_layer is not None and not 0 <= request.hidden_layer <= layers:
+            raise RequestRejected(f"hidden_layer must be within 0..{layers}, not {request.hidden_layer}")
         stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else self.tokenizer.eos_token_ids
         )
@@ -247,9 +250,11 @@ class Engine:
             done = seq.num_computed
             draft = drafts[i].tokens if i in drafts else []
             ends = done + n == len(seq.token_ids)
-            chunks.append(
-                Chunk(seq.token_ids[done : done + n] + draft, done, seq.block_table.block_ids, ends + len(draft))
-            )
+            tokens, blocks = seq.token_ids[done : done + n] + draft, seq.block_table.block_ids
+            if (layer := seq.request.hidden_layer) is not None:  # prefill only: a hidden state, no logits
+                chunks.append(Chunk(tokens, done, blocks, 0, layer if ends else None))
+            else:
+                chunks.append(Chunk(tokens, done, blocks, ends + len(draft)))
         return StepPlan(batch, drafts, chunks)
 
     def _forward(self, plan: StepPlan) -> torch.Tensor:
@@ -289,6 +294,11 @@ class Engine:
             if i not in tokens:
                 seq.num_computed += n  # a prefill chunk that has not reached the end of its prompt yet
                 self.block_manager.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed)
+                if i in self.runner.hidden:  # a prefill-only request whose prompt is computed: done
+                    seq.finish_reason = FinishReason.STOP
+                    outputs.append(replace(seq.output([]), hidden=self.runner.hidden[i]))
+                    del self._seqs[seq.request_id]
+                    self._finish(seq)
                 continue
             outputs.append(self._advance(seq, tokens[i], plan.drafts.get(i), logits[plan.rows[i] :]))
             if seq.request.hook is not None:

@@ -12,6 +12,7 @@ the same as when it shares steps with others (see `engines.kernels.reference` fo
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -22,18 +23,20 @@ from engines.kernels.metadata import AttentionMetadata
 from engines.kernels.quantize import quantize_int8
 from engines.kv.cache import PagedKVCache
 from engines.layers.linear import Linear
-from engines.models.llama import LlamaForCausalLM
+from engines.models.llama import HiddenTaps, LlamaForCausalLM
 
 
 @dataclass(frozen=True)
 class Chunk:
     """Tokens of one sequence to compute: `token_ids` at positions num_computed..; the last
-    `num_logits` of them get logits. `block_ids` must cover every position."""
+    `num_logits` of them get logits. `block_ids` must cover every position. `hidden_layer`: keep the
+    residual stream of its last token after that many layers (`ModelRunner.hidden`)."""
 
     token_ids: list[int]
     num_computed: int
     block_ids: list[int]
     num_logits: int = 1
+    hidden_layer: int | None = None
 
 
 class ModelRunner:
@@ -47,6 +50,7 @@ class ModelRunner:
         self.vocab: torch.Tensor | None = None  # set with `restrict_vocab`: the only ids given logits
         self.head: Linear | None = None
         self.graphs: DecodeGraphs | None = None  # CUDA only: see `enable_cuda_graphs`
+        self.hidden: dict[int, torch.Tensor] = {}  # the last forward's kept hidden states, by chunk index
 
     def enable_cuda_graphs(self, scratch_block: int, max_blocks_per_seq: int, replay: bool = True) -> None:
         """Replay decode steps from CUDA graphs; `scratch_block` is a cache block no sequence ever gets.
@@ -64,7 +68,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, chunks: list[Chunk]) -> torch.Tensor:
-        """One forward over every chunk; float32 logits (Σ num_logits, vocab), in chunk order."""
+        """One forward over every chunk; float32 logits (Σ num_logits, vocab), in chunk order. The hidden
+        states chunks ask for (`Chunk.hidden_layer`) are in `self.hidden` until the next forward."""
+        self.hidden = {}
         if self.graphs is not None and all(len(c.token_ids) == 1 and c.num_logits == 1 for c in chunks):
             bs = self.cache.block_size
             slots = [c.block_ids[c.num_computed // bs] * bs + c.num_computed % bs for c in chunks]
@@ -97,12 +103,28 @@ class ModelRunner:
         device = self.model.device
         meta = AttentionMetadata.build(self.cache.block_size, tables, computed, new).to(device)
         ids, pos = torch.tensor(input_ids, device=device), torch.tensor(positions, device=device)
-        hidden = self.model(ids, pos, self.backend, meta)
+        taps, where = self._taps(chunks, order)
+        hidden = self.model(ids, pos, self.backend, meta, taps)
+        if taps is not None:
+            self.hidden = {i: taps.states[layer][j].cpu() for i, (layer, j) in where.items()}
         rows = [r for i in range(len(chunks)) for r in rows_of[i]]
         if not rows:
             return torch.empty(0, self.model.config.vocab_size)
         pad = len(rows) == 1 and self.pad_lone
         return self._logits(hidden[rows * 2 if pad else rows], len(rows))  # the lm_head: never one row
+
+    @staticmethod
+    def _taps(chunks: list[Chunk], order: list[int]) -> tuple[HiddenTaps | None, dict[int, tuple[int, int]]]:
+        """The flat rows of the last tokens whose hidden states are asked for, by layer; and where each
+        asking chunk's state will be: chunk index → (layer, index among that layer's rows)."""
+        ends = list(itertools.accumulate(len(chunks[i].token_ids) for i in order))
+        rows: dict[int, list[int]] = {}
+        where: dict[int, tuple[int, int]] = {}
+        for pos, i in enumerate(order):
+            if (layer := chunks[i].hidden_layer) is not None:
+                rows.setdefault(layer, []).append(ends[pos] - 1)
+                where[i] = (layer, len(rows[layer]) - 1)
+        return (HiddenTaps(rows) if rows else None), where
 
     def _logits(self, hidden: torch.Tensor, n: int) -> torch.Tensor:
         """Float32 logits of the first `n` rows of `hidden`, on the CPU (where the sampler runs)."""

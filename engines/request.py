@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Protocol
 from engines.sampling import SamplingParams
 
 if TYPE_CHECKING:  # xgrammar loads only for requests that use it
+    import torch
+
     from engines.structured import Grammar
 
 
@@ -59,6 +61,10 @@ class EngineRequest:
     cache_salt: str = ""  # prefix-cache scope: requests share cached prefixes only with the same salt
     hook: GenerationHook | None = None  # verifiers looking at the generation as it runs
     grammar: Grammar | None = None  # structured output: only tokens that keep it valid are sampled
+    # Set: a prefill-only request. The prompt is computed (its full blocks join the prefix cache, so the
+    # same prompt run next costs no second prefill) and the request ends with the residual stream of its
+    # last token after this many decoder layers (`RequestOutput.hidden`), generating nothing.
+    hidden_layer: int | None = None
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,7 @@ class RequestOutput:
     draft_proposed: int = 0  # drafted tokens this request's verifications checked, so far
     draft_accepted: int = 0  # of them, kept
     logprobs: tuple[TokenLogprob, ...] = ()  # one per new token, when the request's hook asks for them
+    hidden: torch.Tensor | None = None  # a prefill-only request's hidden state (float32, (hidden_size,))
 
     @property
     def finished(self) -> bool:

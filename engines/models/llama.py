@@ -7,6 +7,8 @@ replace it without touching the model.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import nn
 
@@ -16,6 +18,16 @@ from engines.layers.blocks import RMSNorm, RotaryEmbedding, SwiGLU
 from engines.layers.linear import Embedding, Linear
 from engines.models.config import ModelConfig
 from engines.models.moe import SparseMoE
+
+
+@dataclass
+class HiddenTaps:
+    """Rows of the residual stream to keep as a forward runs: layer → flat row indices, where layer L is
+    the stream after L decoder layers (0: the embeddings), before the final norm: Hugging Face's
+    `hidden_states[L]` for L < num_layers. `forward` fills `states` (float32, (rows, hidden))."""
+
+    rows: dict[int, list[int]]
+    states: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class DecoderLayer(nn.Module):
@@ -70,13 +82,20 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         backend: AttentionBackend,
         meta: AttentionMetadata,
+        taps: HiddenTaps | None = None,
     ) -> torch.Tensor:
-        """Final hidden states, (num_tokens, hidden); `compute_logits` turns the rows you need into logits."""
+        """Final hidden states, (num_tokens, hidden); `compute_logits` turns the rows you need into logits.
+        `taps`: residual-stream rows to keep on the way (a router's features)."""
         hidden = self.embed_tokens(input_ids)
         rope = self.rope(positions)
         residual = None
-        for layer in self.layers:
+        if taps is not None and 0 in taps.rows:
+            taps.states[0] = hidden[taps.rows[0]].float()
+        for i, layer in enumerate(self.layers, 1):
             hidden, residual = layer(hidden, residual, rope, backend, meta)
+            if taps is not None and i in taps.rows:  # the stream is the layer's output plus its residual
+                rows = taps.rows[i]
+                taps.states[i] = hidden[rows].float() + residual[rows].float()
         return self.norm.add_norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -66,7 +66,11 @@ class Speculator:
         eligible = [
             i
             for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new, strict=True))
-            if n == 1 and seq.num_uncomputed == 1 and speculates(seq.request.params) and seq.constraint is None
+            if n == 1
+            and seq.num_uncomputed == 1
+            and speculates(seq.request.params)
+            and seq.constraint is None
+            and seq.request.hidden_layer is None
         ]
         if not eligible:
             return {}
