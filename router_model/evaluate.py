@@ -89,6 +89,39 @@ def apgr(curve: Curve, q_small: float, q_large: float) -> float:
     return float(np.sum((values[1:] + values[:-1]) / 2 * np.diff(curve.shares)))
 
 
+def bootstrap_apgr(
+    p_small_ok: np.ndarray,
+    examples: Sequence[Example],
+    *,
+    rounds: int = 1000,
+    seed: int = 0,
+    minus: np.ndarray | None = None,
+    level: float = 0.95,
+) -> tuple[float, float]:
+    """A percentile bootstrap interval of APGR over `examples` (resampled with replacement, q_small and
+    q_large taken on each resample). `minus`: another router's scores on the same examples; the interval
+    is then of the difference (paired: both scored on the same resamples). Resamples where the tiers
+    tie are skipped; (nan, nan) if every one does."""
+    small = np.array([e.small_ok for e in examples], bool)
+    large = np.array([e.large_ok for e in examples], bool)
+    p = np.asarray(p_small_ok, float)
+    rng = np.random.default_rng(seed)
+    values = []
+    for _ in range(rounds):
+        idx = rng.integers(0, len(p), len(p))
+        qs, ql = small[idx].mean(), large[idx].mean()
+        if qs == ql:
+            continue
+        value = apgr(quality_curve(p[idx], small[idx], large[idx]), qs, ql)
+        if minus is not None:
+            value -= apgr(quality_curve(np.asarray(minus, float)[idx], small[idx], large[idx]), qs, ql)
+        values.append(value)
+    if not values:
+        return math.nan, math.nan
+    tail = (1 - level) / 2 * 100
+    return float(np.percentile(values, tail)), float(np.percentile(values, 100 - tail))
+
+
 def cpt(curve: Curve, q_small: float, q_large: float, target: float) -> float:
     """The smallest large-tier share at which PGR reaches `target` (e.g. 0.5), on the piecewise-linear curve."""
     values = pgr(curve.quality, q_small, q_large)

@@ -29,6 +29,7 @@ class Example:
     small_ok: bool
     large_ok: bool
     messages: Messages
+    tiny_ok: bool | None = None  # labels made with a tiny tier (SmolLM2-135M) say whether it would do
 
 
 def read_label_rows(path: Path) -> list[dict]:
@@ -83,6 +84,7 @@ def load_examples(path: Path, home: Path = DEFAULT_HOME) -> list[Example]:
             small_ok=bool(r["small_ok"]),
             large_ok=bool(r["large_ok"]),
             messages=r["messages"] if "messages" in r else shipped[str(r["id"])],
+            tiny_ok=None if r.get("tiny_ok") is None else bool(r["tiny_ok"]),
         )
         for r in rows
     ]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +21,7 @@ from threadpoolctl import ThreadpoolController
 from core.embedder import Embedder
 from router_model.encoder import RouterEncoder
 from router_model.features import FEATURE_VERSION, Messages, featurize
+from router_model.hidden import HiddenSpec
 
 SMALL, LARGE = "small", "large"
 MODEL_FILE, METADATA_FILE = "router.joblib", "router.json"
@@ -45,11 +46,43 @@ class RouterLoadError(ValueError):
 
 @dataclass
 class Router:
-    """Predicts P(small tier is good enough) and routes: large when it falls below the threshold."""
+    """Predicts P(small tier is good enough) and routes: large when it falls below the threshold.
+
+    `classifier` reads the text features and is always there; `hidden_classifier`, where training kept
+    one, reads the small tier's hidden state of the prompt (`hidden_spec` says which) and is preferred
+    whenever that state is at hand. `cheaper` predicts, for tiers below small (tiny), whether their answer
+    would do: (text classifier, hidden-state classifier or None)."""
 
     classifier: object  # a fitted scikit-learn classifier with predict_proba; class 1 = small_ok
     metadata: dict = field(default_factory=dict)
     embedder: Embedder = field(default_factory=RouterEncoder)
+    hidden_classifier: object | None = None
+    cheaper: dict[str, tuple[object, object | None]] = field(default_factory=dict)
+
+    @property
+    def hidden_spec(self) -> HiddenSpec | None:
+        """The hidden state the router wants (tier, model, layer), or None for a text-only router."""
+        spec = self.metadata.get("hidden")
+        return HiddenSpec.from_dict(spec) if spec and self.hidden_classifier is not None else None
+
+    def p_ok(self, messages: Messages, hidden: np.ndarray | None = None) -> dict[str, float]:
+        """P(the tier's answer is good enough) for one conversation: small, and each cheaper tier. From the
+        hidden state where given (and a classifier reads it), else from the text features."""
+        state = None if hidden is None else np.asarray(hidden, np.float32).reshape(1, -1)
+        text: np.ndarray | None = None
+
+        def score(text_model: object, hidden_model: object | None) -> float:
+            nonlocal text
+            if state is not None and hidden_model is not None:
+                return float(predict_p_small_ok(hidden_model, state)[0])
+            if text is None:
+                text = featurize([messages], self.embedder)
+            return float(predict_p_small_ok(text_model, text)[0])
+
+        out = {SMALL: score(self.classifier, self.hidden_classifier)}
+        for tier, (text_model, hidden_model) in self.cheaper.items():
+            out[tier] = score(text_model, hidden_model)
+        return out
 
     @property
     def threshold(self) -> float:
@@ -84,6 +117,16 @@ class Router:
         return (LARGE if p < (self.threshold if threshold is None else threshold) else SMALL), p
 
 
+def cheapest_tier(p_ok: Mapping[str, float], floor: float, ladder: Sequence[str]) -> str:
+    """The first tier of `ladder` (cheapest first, the largest last) whose predicted P(good enough) meets
+    `floor`; the largest when none does: it is the reference the labels grade the others against. A tier
+    without a prediction is passed over."""
+    for tier in ladder[:-1]:
+        if tier in p_ok and p_ok[tier] >= floor:
+            return tier
+    return ladder[-1]
+
+
 def router_dir(home: Path) -> Path:
     """Where a router lives by default: under the settings' home (~/.cache/switchboard/router)."""
     return Path(home).expanduser() / "router"
@@ -109,7 +152,7 @@ def save_router(router: Router, directory: Path) -> Path:
     directory = Path(directory).expanduser()
     directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / f".{MODEL_FILE}.{os.getpid()}"
-    joblib.dump(router.classifier, tmp)
+    joblib.dump({"format": 2, "small": (router.classifier, router.hidden_classifier), "cheaper": router.cheaper}, tmp)
     router.metadata["model_sha256"] = _sha256(tmp)
     os.replace(tmp, directory / MODEL_FILE)
     write_metadata(router.metadata, directory)
@@ -151,7 +194,11 @@ def load_router(directory: Path, embedder: Embedder | None = None) -> Router:
         raise RouterLoadError(f"router at {directory}: {MODEL_FILE} missing")
     if metadata.get("model_sha256") != _sha256(model):
         raise RouterLoadError(f"router at {directory}: {MODEL_FILE} is not the model {METADATA_FILE} describes")
-    return Router(joblib.load(model), metadata, embedder or RouterEncoder())
+    stored = joblib.load(model)
+    if isinstance(stored, dict) and stored.get("format") == 2:
+        (text, hidden), cheaper = stored["small"], stored["cheaper"]
+        return Router(text, metadata, embedder or RouterEncoder(), hidden_classifier=hidden, cheaper=cheaper)
+    return Router(stored, metadata, embedder or RouterEncoder())  # a text-only router from before tiers
 
 
 def _sha256(path: Path) -> str:

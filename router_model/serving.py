@@ -13,6 +13,7 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from router_model.features import Messages
@@ -39,6 +40,11 @@ class RouterService:
 
     async def p_small_ok(self, conversation: Messages) -> float:
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._score, conversation)
+
+    async def p_ok(self, conversation: Messages, hidden: np.ndarray | None = None) -> dict[str, float]:
+        """P(good enough) per tier the router predicts (small, and tiny where trained), from `hidden` (the
+        small tier's state of the conversation) where given, else from the text."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.router.p_ok, conversation, hidden)
 
     def _score(self, conversation: Messages) -> float:
         return float(self.router.p_small_ok([conversation])[0])

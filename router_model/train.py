@@ -24,7 +24,8 @@ import numpy as np
 
 from core.embedder import Embedder
 from router_model.calibrate import DEFAULT_LARGE_SHARE, threshold_for_share
-from router_model.evaluate import apgr, evaluate_router, metrics_json, quality_curve
+from router_model.candidates import CANDIDATES, HIDDEN_CANDIDATES
+from router_model.evaluate import apgr, bootstrap_apgr, evaluate_router, metrics_json, quality_curve
 from router_model.examples import (
     DEFAULT_HOME,
     Example,
@@ -35,68 +36,10 @@ from router_model.examples import (
     split_examples,
 )
 from router_model.features import CHEAP_FEATURES, FEATURE_VERSION, featurize
+from router_model.hidden import HiddenSpec
 from router_model.model import Router, predict_p_small_ok
 
-
-def _logistic(seed: int, n: int) -> object:
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.pipeline import make_pipeline
-    from sklearn.preprocessing import StandardScaler
-
-    # strong L2: a few hundred examples against ~400 features
-    return make_pipeline(StandardScaler(), LogisticRegression(C=0.05, max_iter=5000, random_state=seed))
-
-
-def _hist_gb(seed: int, n: int) -> object:
-    from sklearn.ensemble import HistGradientBoostingClassifier
-
-    # each tree sees half the features: a regularizer with ~400 features and a few hundred examples
-    return HistGradientBoostingClassifier(
-        max_iter=100, learning_rate=0.08, max_leaf_nodes=15, min_samples_leaf=max(5, min(20, n // 20)),
-        max_features=0.5, l2_regularization=1.0, random_state=seed,
-    )  # fmt: skip
-
-
-def _knn(seed: int, n: int) -> object:
-    from sklearn.neighbors import KNeighborsClassifier
-    from sklearn.pipeline import make_pipeline
-    from sklearn.preprocessing import StandardScaler
-
-    # distance weights: continuous probabilities, so a threshold can hit any share of calls
-    k = max(1, min(25, n // 4))
-    return make_pipeline(StandardScaler(), KNeighborsClassifier(n_neighbors=k, weights="distance", metric="cosine"))
-
-
-EMBEDDING_COMPONENTS = 8
-
-
-def _reduced(factory: Callable[[int, int], object]) -> Callable[[int, int], object]:
-    """`factory`'s classifier on the embedding's first principal components plus the cheap features.
-
-    A few hundred labels cannot fit 384 embedding weights: on the GSM8K labels alone (which of them the
-    small tier solves) the whole embedding took logistic regression's cross-validated AUC from 0.71 (cheap
-    features only) to 0.57, while 8 components kept 0.71 and still tell the sources and topics apart."""
-
-    def build(seed: int, n: int) -> object:
-        from sklearn.compose import ColumnTransformer
-        from sklearn.decomposition import PCA
-        from sklearn.pipeline import make_pipeline
-
-        pca = PCA(n_components=EMBEDDING_COMPONENTS, random_state=seed)
-        reduce = ColumnTransformer([("embedding", pca, list(range(Embedder.DIM)))], remainder="passthrough")
-        return make_pipeline(reduce, factory(seed, n))
-
-    return build
-
-
-CANDIDATES: dict[str, Callable[[int, int], object]] = {
-    "logistic": _logistic,
-    "hist_gb": _hist_gb,
-    "knn": _knn,
-    "logistic_pca": _reduced(_logistic),
-    "hist_gb_pca": _reduced(_hist_gb),
-    "knn_pca": _reduced(_knn),
-}
+ALL_CANDIDATES = CANDIDATES | HIDDEN_CANDIDATES
 
 
 class TrainingError(ValueError):
@@ -120,6 +63,28 @@ class TrainResult:
     heldout_p: np.ndarray
 
 
+# examples → (which state, one row per example): the CLI computes them on the small tier's engine
+HiddenStates = Callable[[Sequence[Example]], tuple[HiddenSpec, np.ndarray]]
+
+
+@dataclass(frozen=True)
+class HiddenData:
+    """The small tier's hidden states of the training and held-out prompts (`router_model.hidden`)."""
+
+    spec: HiddenSpec
+    train: np.ndarray
+    heldout: np.ndarray
+
+
+@dataclass
+class _Family:
+    """The best candidate on one kind of features: its name, fitted model and held-out P(small_ok)."""
+
+    name: str
+    model: object
+    heldout_p: np.ndarray
+
+
 def train_router(
     train: Sequence[Example],
     heldout: Sequence[Example],
@@ -129,34 +94,42 @@ def train_router(
     folds: int = 5,
     candidates: Sequence[str] = tuple(CANDIDATES),
     large_share: float = DEFAULT_LARGE_SHARE,
+    hidden: HiddenData | None = None,
+    bootstrap: int = 1000,
 ) -> TrainResult:
     """Select a classifier by cross-validated APGR on `train`, fit it on all of `train`, score on `heldout`.
 
-    The router's threshold sends `large_share` of the held-out prompts to the large tier."""
+    With `hidden`, the hidden-state candidates compete too; the router keeps the best text classifier
+    either way (its fallback when the small tier cannot compute a state in time). Labels with `tiny_ok`
+    also train P(tiny_ok) on the winning kind of features (and on text). The router's threshold sends
+    `large_share` of the held-out prompts to the large tier."""
     y = np.array([e.small_ok for e in train])
     if y.all() or not y.any():
         raise TrainingError(f"every training label is small_ok={bool(y[0])}: nothing to learn")
     x_train = featurize([e.messages for e in train], embedder)
     x_held = featurize([e.messages for e in heldout], embedder)
-    scores, fitted = {}, {}
-    for name in candidates:
-        oof = _out_of_fold(name, x_train, train, seed, folds)
-        model = _fit(name, x_train, y, seed)
-        held_p = predict_p_small_ok(model, x_held)
-        scores[name] = CandidateScore(
-            cv_apgr=_apgr(oof, train), cv_auc=_auc(oof, train),
-            heldout_apgr=_apgr(held_p, heldout), heldout_auc=_auc(held_p, heldout),
-            heldout_log_loss=_log_loss(held_p, heldout),
-        )  # fmt: skip
-        fitted[name] = (model, held_p)
-    best = max(scores, key=lambda n: (_nan_low(scores[n].cv_apgr), _nan_low(scores[n].cv_auc)))
-    model, held_p = fitted[best]
+    scores: dict[str, CandidateScore] = {}
+    text = _select(candidates, x_train, x_held, train, heldout, seed, folds, scores)
+    best = text
+    if hidden is not None:
+        found = _select(tuple(HIDDEN_CANDIDATES), hidden.train, hidden.heldout, train, heldout, seed, folds, scores)
+        if (_nan_low(scores[found.name].cv_apgr), _nan_low(scores[found.name].cv_auc)) > (
+            _nan_low(scores[text.name].cv_apgr),
+            _nan_low(scores[text.name].cv_auc),
+        ):
+            best = found
+    held_p = best.heldout_p
     threshold = threshold_for_share(held_p, large_share)
+    uses_hidden = best is not text
+    tiers = _cheaper_tiers(train, x_train, hidden.train if uses_hidden and hidden else None, text.name, best.name, seed)
     metadata = {
         "feature_version": FEATURE_VERSION,
         "cheap_features": list(CHEAP_FEATURES),
-        "classifier": best,
-        "classifier_repr": repr(model),
+        "classifier": best.name,
+        "classifier_repr": repr(best.model),
+        "text_classifier": text.name,
+        "features": "hidden" if uses_hidden else "text",
+        "hidden": hidden.spec.as_dict() if uses_hidden and hidden else None,
         "selected_by": f"out-of-fold APGR, {folds}-fold stratified by source on the training split",
         "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "train_ids_hash": ids_hash(train),
@@ -168,22 +141,87 @@ def train_router(
         "labels_heldout": label_summary(heldout),
         "metrics": {n: {k: _json_number(v) for k, v in s.__dict__.items()} for n, s in scores.items()},
         "heldout_eval": metrics_json(evaluate_router(held_p, heldout)),  # the kept one against the baselines
+        "heldout_eval_text": metrics_json(evaluate_router(text.heldout_p, heldout)),
+        "apgr_ci": _ci(bootstrap_apgr(held_p, heldout, rounds=bootstrap, seed=seed)),
+        "apgr_ci_text": _ci(bootstrap_apgr(text.heldout_p, heldout, rounds=bootstrap, seed=seed)),
+        "apgr_gain_ci": _ci(bootstrap_apgr(held_p, heldout, rounds=bootstrap, seed=seed, minus=text.heldout_p)),
+        "tiers": {name: info for name, (_, _, info) in tiers.items()},
         "threshold": threshold,
         "threshold_from": f"large share {large_share} of the held-out split",
         "large_share": float(np.mean(held_p < threshold)),  # sent large there: what the drift gauge expects
         "tenant_thresholds": {},
     }
-    return TrainResult(Router(model, metadata, embedder), scores, list(heldout), held_p)
+    router = Router(
+        text.model, metadata, embedder, hidden_classifier=best.model if uses_hidden else None,
+        cheaper={name: (t, h) for name, (t, h, _) in tiers.items()},
+    )  # fmt: skip
+    return TrainResult(router, scores, list(heldout), held_p)
+
+
+def _select(
+    names: Sequence[str],
+    x_train: np.ndarray,
+    x_held: np.ndarray,
+    train: Sequence[Example],
+    heldout: Sequence[Example],
+    seed: int,
+    folds: int,
+    scores: dict[str, CandidateScore],
+) -> _Family:
+    """Score each candidate (out of fold on `train`, and on `heldout`) into `scores`; the best by cv APGR."""
+    y = np.array([e.small_ok for e in train])
+    fitted = {}
+    for name in names:
+        oof = _out_of_fold(name, x_train, y, [e.source for e in train], seed, folds)
+        model = _fit(name, x_train, y, seed)
+        held_p = predict_p_small_ok(model, x_held)
+        scores[name] = CandidateScore(
+            cv_apgr=_apgr(oof, train), cv_auc=_auc(oof, y),
+            heldout_apgr=_apgr(held_p, heldout), heldout_auc=_auc(held_p, np.array([e.small_ok for e in heldout])),
+            heldout_log_loss=_log_loss(held_p, heldout),
+        )  # fmt: skip
+        fitted[name] = _Family(name, model, held_p)
+    best = max(names, key=lambda n: (_nan_low(scores[n].cv_apgr), _nan_low(scores[n].cv_auc)))
+    return fitted[best]
+
+
+MIN_TIER_LABELS = 50  # rows with a tier's verdict, of each class, before P(that tier is good enough) is trained
+
+
+def _cheaper_tiers(
+    train: Sequence[Example], x_text: np.ndarray, x_hidden: np.ndarray | None, text_name: str, hidden_name: str,
+    seed: int,
+) -> dict[str, tuple[object, object | None, dict]]:  # fmt: skip
+    """P(tiny_ok) where the labels say enough about it: (text model, hidden model or None, what it learned
+    from). The same classifiers the small tier's prediction chose, fitted to the rows with `tiny_ok`."""
+    rows = np.array([e.tiny_ok is not None for e in train])
+    t = np.array([bool(e.tiny_ok) for e in train])[rows]
+    if min(t.sum(), len(t) - t.sum()) < MIN_TIER_LABELS:
+        return {}
+    sources = [e.source for e, r in zip(train, rows, strict=True) if r]
+    info = {"n": len(t), "ok_rate": round(float(t.mean()), 4)}
+    text = _fit(text_name, x_text[rows], t, seed)
+    info["cv_auc_text"] = _json_number(_auc(_out_of_fold(text_name, x_text[rows], t, sources, seed, 5), t))
+    hidden = None
+    if x_hidden is not None:
+        hidden = _fit(hidden_name, x_hidden[rows], t, seed)
+        info["cv_auc_hidden"] = _json_number(_auc(_out_of_fold(hidden_name, x_hidden[rows], t, sources, seed, 5), t))
+    return {"tiny": (text, hidden, info)}
 
 
 def train_from_labels(
     labels: Path, embedder: Embedder, *, home: Path = DEFAULT_HOME, test_size: float = 0.2, seed: int = 0,
-    folds: int = 5, candidates: Sequence[str] = tuple(CANDIDATES),
+    folds: int = 5, candidates: Sequence[str] = tuple(CANDIDATES), hidden_states: HiddenStates | None = None,
 ) -> TrainResult:  # fmt: skip
-    """Load a label file, split it (seeded, stratified by source) and train; the file is named in the metadata."""
+    """Load a label file, split it (seeded, stratified by source) and train; the file is named in the metadata.
+    `hidden_states`: the small tier's states of the examples (`router_model.hidden`), to compete with text."""
     examples = load_examples(labels, home)
     train, heldout = split_examples(examples, test_size, seed)
-    result = train_router(train, heldout, embedder, seed=seed, folds=folds, candidates=candidates)
+    hidden = None
+    if hidden_states is not None:
+        spec, states = hidden_states([*train, *heldout])
+        hidden = HiddenData(spec, states[: len(train)], states[len(train) :])
+    result = train_router(train, heldout, embedder, seed=seed, folds=folds, candidates=candidates, hidden=hidden)
     models = {f"{r['small_model']} / {r['large_model']}" for r in read_label_rows(labels) if "small_model" in r}
     result.router.metadata |= {
         "label_models": sorted(models),  # small / large: the tiers whose answers were graded
@@ -214,7 +252,7 @@ def format_scores(scores: dict[str, CandidateScore], chosen: str) -> str:
 def _fit(name: str, x: np.ndarray, y: np.ndarray, seed: int) -> object:
     from threadpoolctl import threadpool_limits
 
-    model = CANDIDATES[name](seed, len(y))
+    model = ALL_CANDIDATES[name](seed, len(y))
     # One thread: on a few hundred rows OpenMP's synchronization costs more than it saves, and on a
     # busy machine gradient boosting ran 10x slower with two threads than with one.
     with threadpool_limits(1):
@@ -222,12 +260,10 @@ def _fit(name: str, x: np.ndarray, y: np.ndarray, seed: int) -> object:
     return model
 
 
-def _out_of_fold(name: str, x: np.ndarray, examples: Sequence[Example], seed: int, folds: int) -> np.ndarray:
-    """P(small_ok) for each training example from a model that did not see it."""
+def _out_of_fold(name: str, x: np.ndarray, y: np.ndarray, sources: list[str], seed: int, folds: int) -> np.ndarray:
+    """P(label) for each training row from a model that did not see it."""
     from sklearn.model_selection import StratifiedKFold
 
-    y = np.array([e.small_ok for e in examples])
-    sources = [e.source for e in examples]
     smallest = min(sources.count(s) for s in set(sources))
     k = max(2, min(folds, smallest))
     groups = sources if smallest >= k else y  # stratify by source where every source fills every fold
@@ -247,11 +283,14 @@ def _apgr(p: np.ndarray, examples: Sequence[Example]) -> float:
     return apgr(quality_curve(p, small, large), float(small.mean()), float(large.mean()))
 
 
-def _auc(p: np.ndarray, examples: Sequence[Example]) -> float:
+def _auc(p: np.ndarray, y: np.ndarray) -> float:
     from sklearn.metrics import roc_auc_score
 
-    y = [e.small_ok for e in examples]
-    return float(roc_auc_score(y, p)) if 0 < sum(y) < len(y) else math.nan
+    return float(roc_auc_score(y, p)) if 0 < int(np.sum(y)) < len(y) else math.nan
+
+
+def _ci(interval: tuple[float, float]) -> list[float | None]:
+    return [_json_number(interval[0]), _json_number(interval[1])]
 
 
 def _log_loss(p: np.ndarray, examples: Sequence[Example]) -> float:

@@ -4,9 +4,19 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gateway.cli.common import Failure, load_settings, open_database
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from core.settings import Settings
+    from router_model.examples import Example
+    from router_model.hidden import HiddenSpec
+    from router_model.train import HiddenStates
 
 __all__ = ["register"]
 
@@ -33,6 +43,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     rtrain.add_argument(
         "--from-logs", action="store_true", help="also learn from the gateway's live labels (HOME/router-labels.jsonl)"
     )
+    rtrain.add_argument(
+        "--hidden", action=argparse.BooleanOptionalAction, default=True,
+        help="let classifiers on the small tier's hidden state compete (computed on that tier, cached under "
+        "HOME/router-features; default: on where the small tier runs here)",
+    )  # fmt: skip
+    rtrain.add_argument("--hidden-layer", type=int, metavar="L", help="default: 3/4 of the small tier's depth")
     rtrain.set_defaults(handler=_router_train)
     rcal = router.add_parser("calibrate", help="set the threshold for a share of large-tier calls or a quality floor")
     rcal.add_argument("--router", **where)
@@ -118,10 +134,12 @@ def _router_train(args: argparse.Namespace) -> int:
             labels = merge_label_files(files, directory / "train-labels.jsonl")
         except ValueError as exc:
             raise Failure(str(exc)) from None
+    settings = load_settings()
+    hidden = _hidden_states(settings, args.hidden_layer) if args.hidden else None
     try:
         result = train_from_labels(
-            labels, RouterEncoder(), home=load_settings().home_dir, test_size=args.test_size,
-            seed=args.seed, folds=args.folds,
+            labels, RouterEncoder(), home=settings.home_dir, test_size=args.test_size,
+            seed=args.seed, folds=args.folds, hidden_states=hidden,
         )  # fmt: skip
     except (OSError, ValueError) as exc:
         raise Failure(str(exc)) from None
@@ -129,9 +147,41 @@ def _router_train(args: argparse.Namespace) -> int:
     print(f"{meta['n_train']} prompts trained, {meta['n_heldout']} held out; features {meta['feature_version']}")
     print(format_scores(result.scores, meta["classifier"]))
     print(format_table(evaluate_router(result.heldout_p, result.heldout)))
+    ci, ci_text = meta["apgr_ci"], meta["apgr_ci_text"]
+    print(
+        f"held-out APGR {meta['heldout_eval']['apgr']} (95% CI {ci[0]}-{ci[1]}, {meta['features']} features); "
+        f"text only {meta['heldout_eval_text']['apgr']} ({ci_text[0]}-{ci_text[1]}); paired gain CI "
+        f"{meta['apgr_gain_ci'][0]}-{meta['apgr_gain_ci'][1]}"
+    )
+    for tier, info in meta["tiers"].items():
+        print(f"P({tier}_ok): {info}")
     print(f"threshold {meta['threshold']:.4f} ({meta['threshold_from']})")
     print(save_router(result.router, _router_dir(args)))
     return 0
+
+
+def _hidden_states(settings: Settings, layer: int | None) -> HiddenStates | None:
+    """The small tier's hidden states of labeled prompts, computed on an engine of that tier loaded here
+    (only when some prompt is not in the feature cache yet); None where the small tier is remote or absent."""
+    tier = settings.tiers.get("small")
+    if tier is None or tier.is_remote:
+        print("no local small tier: training on the text features only")
+        return None
+
+    def states(examples: Sequence[Example]) -> tuple[HiddenSpec, np.ndarray]:
+        from gateway.tiers import load_engines
+        from router_model.hidden import FeatureCache, HiddenSpec, default_layer, prompt_ids
+        from router_model.label import tier_model
+
+        engine = load_engines(settings.model_copy(update={"tiers": {"small": tier}}))["small"].engine  # type: ignore[attr-defined]
+        cfg = engine.model.config
+        chosen = default_layer(cfg.num_hidden_layers) if layer is None else layer
+        spec = HiddenSpec("small", tier_model(tier), chosen, cfg.hidden_size)
+        cache = FeatureCache(settings.home_dir / "router-features", spec.model, chosen)
+        prompts = [prompt_ids(engine, e.messages) for e in examples]
+        return spec, cache.states(engine, prompts, chosen, progress=True)
+
+    return states
 
 
 def _router_calibrate(args: argparse.Namespace) -> int:
