@@ -7,13 +7,15 @@ store what the engines answered.
               difference in numbers, negation, entities or quoted strings, was found
     bypass    not cacheable (sampling without a seed, the tenant's policy) or the client said
               `cache: "no-cache"` (don't read; store) or `"no-store"` (neither)
+    flight-hit, flight-sem-hit  a miss whose answer another request of the tenant was generating right
+              then, exactly or semantically the same: served that answer as a hit
+              (`gateway.pipeline.single_flight`); the header says `hit` or `semantic-hit`
 
 A cache that cannot be reached is a miss: the request runs (the caches never raise).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -30,7 +32,7 @@ MODES = ("default", "no-cache", "no-store")
 
 @dataclass(frozen=True)
 class CacheDecision:
-    status: str  # hit | semantic-hit | miss | bypass
+    status: str  # hit | semantic-hit | miss | bypass | flight-hit | flight-sem-hit
     key: CacheKey | None = None  # set when the answer may be stored
     answer: CachedAnswer | None = None  # set on a hit
     similarity: float | None = None
@@ -38,10 +40,12 @@ class CacheDecision:
 
     @property
     def header(self) -> str:
-        return "miss" if self.status == "bypass" else self.status
+        """`x-switchboard-cache`: a single-flight follower's answer is a hit like any other; its row says more."""
+        return _HEADERS.get(self.status, self.status)
 
 
 BYPASS = CacheDecision("bypass")
+_HEADERS = {"bypass": "miss", "flight-hit": "hit", "flight-sem-hit": "semantic-hit"}
 
 
 def cache_mode(extra: Mapping[str, Any] | None, header: str | None) -> Mode:
@@ -83,20 +87,10 @@ class CacheStage:
                 return CacheDecision("semantic-hit", answer=answer, similarity=found[1], settings=settings)
         return CacheDecision("miss", key=key, settings=settings)
 
-    async def store(
-        self,
-        tenant_id: int,
-        decision: CacheDecision,
-        texts: list[str],
-        reasons: list[str | None],
-        usage: tuple[int, int],
-        tier: str,
-        request_id: str,
-    ) -> None:
+    async def store(self, tenant_id: int, decision: CacheDecision, answer: CachedAnswer) -> None:
         if decision.key is None or decision.settings is None:
             return
         s = decision.settings
-        answer = CachedAnswer(texts, reasons, usage[0], usage[1], tier, request_id, int(time.time()))
         await self.exact.put(tenant_id, decision.key.key, answer, s.ttl_seconds, s.max_entries)
         if s.semantic and self.semantic is not None:
             await self.semantic.add(tenant_id, decision.key, s.ttl_seconds)

@@ -1,10 +1,10 @@
 """Prometheus metrics: `GET /metrics` in the text exposition format.
 
 Counters and histograms are recorded where a request is priced (`gateway.pipeline.metering.Meter.bill`) and where a
-429 leaves (`gateway.errors`); engine gauges (queue depth, KV use, speculative acceptance) and the
-caches' error counts are read from the engines and caches at scrape time, so nothing runs in the
-background. Each app has its own registry (`AppConfig.metrics`): several apps in one process, as in
-the tests, never share or collide.
+429 leaves (`gateway.errors`); engine gauges (queue depth, KV use, speculative acceptance), the caches'
+error counts and single flight's leaders and released followers are read from the engines, caches and
+pipeline at scrape time, so nothing runs in the background. Each app has its own registry
+(`AppConfig.metrics`): several apps in one process, as in the tests, never share or collide.
 
 Labels carry tiers, endpoints and statuses only, never tenants or prompt text: the label sets stay
 small and a scrape reveals no tenant's data.
@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 ROUTE_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)  # a routing decision: MiniLM on a CPU
+
+# A single-flight follower's cache status → the `kind` label
+FLIGHT_KINDS = {"flight-hit": "exact", "flight-sem-hit": "semantic"}
 
 # 429 codes, as gateway.errors sees them → the `reason` label
 THROTTLE_CODES = {"insufficient_quota": "budget", "rate_limit_exceeded": "rate_limit"}
@@ -86,12 +89,19 @@ class Metrics:
             "switchboard_throttled_requests", "429s: reason budget (insufficient_quota) or rate_limit", ["reason"],
             registry=r,
         )  # fmt: skip
+        self.single_flight = Counter(
+            "switchboard_single_flight_hits",
+            "Requests served the answer an identical request in the air was generating (kind: exact or semantic)",
+            ["tier", "kind"], registry=r,
+        )  # fmt: skip
 
     def record_request(self, rec: UsageRecord, ttft: float | None, seconds: float) -> None:
         """One priced request: its ledger row, its time to first text (None: none was generated) and duration."""
         tier = rec.tier
         self.requests.labels(tier, rec.endpoint, rec.status, rec.cache_status).inc()
         self.routes.labels(tier, rec.route).inc()
+        if rec.cache_status in FLIGHT_KINDS:
+            self.single_flight.labels(tier, FLIGHT_KINDS[rec.cache_status]).inc()
         kinds = {
             "prompt": rec.prompt_tokens,
             "cached_prompt": rec.cached_prompt_tokens,
@@ -152,6 +162,22 @@ class _PipelineCollector(Collector):
             if cache.semantic is not None:
                 errors.add_metric(["semantic"], float(cache.semantic.errors))
         yield errors
+        yield from _flight_metrics(pipeline)
+
+
+def _flight_metrics(pipeline: Pipeline) -> Iterator[Metric]:
+    """Single flight (`gateway.pipeline.single_flight`): leaders in the air, and followers their leader released."""
+    leaders = GaugeMetricFamily(
+        "switchboard_single_flight_leaders", "Requests generating an answer others may wait for"
+    )
+    leaders.add_metric([], float(len(pipeline.flights)))
+    released = CounterMetricFamily(
+        "switchboard_single_flight_released",
+        "Followers whose leader stored no answer (refused, failed, left), so that they ran on their own",
+    )
+    released.add_metric([], float(pipeline.flights.released))
+    yield leaders
+    yield released
 
 
 def _router_gauges(pipeline: Pipeline) -> Iterator[Metric]:

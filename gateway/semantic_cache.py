@@ -298,7 +298,7 @@ class SemanticCache:
     async def _lookup(self, tenant_id: int, key: CacheKey, threshold: float) -> tuple[str, float] | None:
         index = await self._index(tenant_id)
         index.prune(time.time())
-        if not index.keys or (split := _split(key)) is None:
+        if not index.keys or (split := split_key(key)) is None:
             return None  # nothing to compare with: skip the embedding
         question, context = split
         vec = (await anyio.to_thread.run_sync(self.embedder.encode, [question]))[0]
@@ -312,7 +312,7 @@ class SemanticCache:
         return None
 
     async def _add(self, tenant_id: int, key: CacheKey, ttl: int) -> None:
-        if ttl <= 0 or (split := _split(key)) is None:
+        if ttl <= 0 or (split := split_key(key)) is None:
             return
         question, context = split
         vec = (await anyio.to_thread.run_sync(self.embedder.encode, [question]))[0]
@@ -418,7 +418,7 @@ def _text(v: object) -> str:
     return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
 
 
-def _split(key: CacheKey) -> tuple[str, str] | None:
+def split_key(key: CacheKey) -> tuple[str, str] | None:
     """(the question, a hash of everything else that must match exactly), or None for token-id prompts."""
     data = json.loads(key.canonical)
     given = data["input"]

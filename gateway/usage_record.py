@@ -73,7 +73,7 @@ class Decisions:
     """What the gateway decided for the request: its cache status, how its tier was chosen, under which
     policy version, and what the verifiers did."""
 
-    cache_status: str = "miss"  # hit | semantic-hit | miss | bypass
+    cache_status: str = "miss"  # hit | semantic-hit | miss | bypass | flight-hit | flight-sem-hit (single flight)
     route: str = "direct"  # direct | auto | shadow
     policy_version: int = 0
     verifier_actions: list[dict[str, Any]] = field(default_factory=list)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, Protocol
 
 from engines.request import TokenLogprob
 
@@ -71,6 +71,18 @@ class Trace:
         return len(self.token_ids)
 
 
+class Ask(Protocol):
+    """The tier that served the answer, asked something else (blocking): a chat's `messages` → the reply's
+    text, at most `max_tokens` long. Final checks get one in `Context.ask` (`verifiers.ask`); it raises
+    `AskFailed` when the tier cannot answer."""
+
+    def __call__(self, messages: Sequence[Mapping[str, str]], max_tokens: int, temperature: float = 0.0) -> str: ...
+
+
+class AskFailed(RuntimeError):
+    """The tier could not answer a check's question (too long, down, failed); not the answer's fault."""
+
+
 @dataclass(frozen=True)
 class Context:
     """The request the traces answer."""
@@ -80,6 +92,7 @@ class Context:
     response_format: Mapping[str, Any] | None = None
     tests: str | None = None  # code that checks a code answer (raises on failure), if the caller gave it
     reference: str | None = None  # a known answer, where there is one (benchmarks)
+    ask: Ask | None = None  # final checks only: the serving tier, to ask a question of its own (`Ask`)
 
 
 class Verifier:

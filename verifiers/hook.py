@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from engines.request import FinishReason, RequestOutput
-from verifiers.base import NOT_CHECKED, Action, Context, Trace, Verdict, Verifier
+from verifiers.base import NOT_CHECKED, Action, Ask, Context, Trace, Verdict, Verifier
 
 ENDS = {Action.STOP: FinishReason.STOP, Action.PRUNE: FinishReason.PRUNED, Action.ESCALATE: FinishReason.ESCALATE}
 
@@ -77,12 +78,14 @@ class VerifierHook:
         with self._lock:
             self.actions.append({"choice": trace.index, "tokens": trace.num_tokens, **verdict.as_dict()})
 
-    def run_checks(self) -> None:
-        """The final answer checks, on every choice that ended by itself (blocking: run it on a worker thread)."""
+    def run_checks(self, ask: Ask | None = None) -> None:
+        """The final answer checks, on every choice that ended by itself (blocking: run it on a worker thread);
+        `ask`: the serving tier, for checks that ask it something (`Context.ask`)."""
         if self.checks is None:
             return
+        context = self.context if ask is None else replace(self.context, ask=ask)
         done = [t for rid, t in self.traces.items() if t.finished and rid not in self._ended]  # ended by themselves
-        for trace, verdict in zip(done, self.checks.check(self.context, done), strict=True):
+        for trace, verdict in zip(done, self.checks.check(context, done), strict=True):
             if verdict.action is not Action.CONTINUE:
                 self._record(trace, verdict)
                 with self._lock:

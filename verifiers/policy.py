@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from policies.policy import Policy, VerifierSettings
 from policies.tuning import TunePrompt
+from verifiers.agreement import ProgramOfThought, Resample
 from verifiers.answers import CodeTests, MathAnswer, Structure
 from verifiers.base import Context, Verifier
 from verifiers.compose import all_of, any_of
@@ -11,6 +12,18 @@ from verifiers.confidence import Confidence
 from verifiers.degeneration import Degeneration
 from verifiers.hook import VerifierHook
 from verifiers.probe import AnswerProbe, ProbeCheck
+from verifiers.prompt_examples import PromptExamples
+
+# Final checks by name (the probe, which needs the gateway's trained probe, apart). The `program_of_thought`
+# and `resample` checks ask the serving tier (`Context.ask`, which the gateway sets where the checks run).
+CHECKS: dict[str, type[Verifier]] = {
+    "math": MathAnswer,
+    "code": CodeTests,
+    "structure": Structure,
+    "prompt_examples": PromptExamples,
+    "program_of_thought": ProgramOfThought,
+    "resample": Resample,
+}
 
 
 def build_verifiers(
@@ -29,14 +42,13 @@ def build_verifiers(
             in_flight.append(Degeneration(every=every, **settings.degeneration.model_dump()))
         elif name == "confidence" and choices > 1:
             in_flight.append(Confidence(every=every, **settings.confidence.model_dump()))
-    checks = {"math": MathAnswer, "code": CodeTests, "structure": Structure}
     final: list[Verifier] = []
     for name in dict.fromkeys(settings.checks):
         if name == "probe":
             if probe is not None:
                 final.append(ProbeCheck(probe, settings.probe_threshold))
         else:
-            final.append(checks[name]())
+            final.append(CHECKS[name]())
     return _combined(in_flight, settings.combine), _combined(final, "any")
 
 

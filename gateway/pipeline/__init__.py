@@ -5,6 +5,7 @@
     run          Plan → engine stream (or the replay of a cached answer) → choice deltas → an `Outcome`
     metering     Outcome → one priced `UsageRecord` → ledger write + budget settle, exactly once
     cache_store  a finished, deterministic answer → the response cache
+    single_flight  a request identical to one still generating waits for that one's answer (a hit)
     cascade      a non-streamed answer that fails a final check → retried once on the cascade's tier
 
 `Pipeline` (service) holds the stores and stages and starts each request; `Generation` (run) is one

@@ -5,7 +5,8 @@ principal → the tenant's policy (allowed tiers, sampling clamps)
           → the prompts as token ids for that tier, within every limit
           → the policy's verifiers, one hook per prompt, and the cascade's target
           → the tier ladder: the tier, then its live fallbacks that the policy allows
-          → the response cache's lookup
+          → the response cache's lookup, and single flight: follow an identical request in the air (wait
+            for its answer), or lead the requests that will follow this one (`single_flight`)
           → the budget and rate-limit reservation of the worst case on any tier of the ladder
 """
 
@@ -43,6 +44,7 @@ from gateway.pipeline.prompts import (
     verifier_context,
 )
 from gateway.pipeline.refusals import model_not_allowed, model_not_found, reject_unsupported, unavailable
+from gateway.pipeline.single_flight import Flights, Seat, join
 from gateway.routing import RoutingStage
 from gateway.schemas import UNSUPPORTED_CHAT, UNSUPPORTED_COMPLETION, ChatCompletionRequest, CompletionRequest
 from gateway.tenants import Principal
@@ -79,6 +81,7 @@ class Admission:
         self.metrics = metrics
         self.routing = routing or RoutingStage(None, self.engines)
         self.probe = probe  # the trained answer probe, for policies with the `probe` check
+        self.flights = Flights()  # this process's requests whose answers others may wait for
 
     async def policy(self, principal: Principal) -> Versioned:
         if (hit := self.policies.cached(principal.tenant_id)) is not None:
@@ -107,6 +110,11 @@ class Admission:
             name = tier.fallback if tier else None
         return out
 
+    def salt(self, principal: Principal) -> str:
+        """The prefix-cache salt of a principal's requests: tenant scope keeps them to the tenant, since a
+        faster first token would tell one tenant what another tenant's prompts begin with."""
+        return f"tenant:{principal.tenant_id}" if self.settings.prefix_cache_scope == "tenant" else ""
+
     async def admit_chat(
         self,
         principal: Principal,
@@ -121,7 +129,7 @@ class Admission:
             self.engine(body.model, policy.policy)  # an unknown or forbidden tier is refused before anything else
         reject_unsupported(body, UNSUPPORTED_CHAT)
         messages = chat_messages(body)
-        route = await self.routing.route(principal, policy.policy, [messages]) if routed else None
+        route = await self.routing.route(principal, policy.policy, [messages], self.salt(principal)) if routed else None
         engine = self.engine(route.tier if route else body.model, policy.policy)
         # The model (and the cache key) see the policy's instruction; routing and stored prompts see the client's.
         shown = instructed(messages, policy.policy.sampling.system_instruction)
@@ -157,7 +165,9 @@ class Admission:
             self.engine(body.model, policy.policy)
         reject_unsupported(body, UNSUPPORTED_COMPLETION)
         conversations = prompt_conversations(body.prompt) if routed else []
-        route = await self.routing.route(principal, policy.policy, conversations) if routed else None
+        route = (
+            await self.routing.route(principal, policy.policy, conversations, self.salt(principal)) if routed else None
+        )
         engine = self.engine(route.tier if route else body.model, policy.policy)
         size = len(body.prompt) if isinstance(body.prompt, str) else INLINE_TOKENIZE_CHARS  # lists: off the loop
         prompts = await tokenize(size, completion_prompts, body.prompt, engine.tokenizer)
@@ -195,7 +205,8 @@ class Admission:
             candidates = [c for c in candidates if c.engine is p.engine]
         if not candidates:
             raise unavailable(body.model)
-        cache = await self._lookup(principal, policy.policy, body, p, tier, requests[0].params, cache_header)
+        seat = await self._lookup(request_id, principal, policy.policy, body, p, tier, requests[0].params, cache_header)
+        cache = seat.cache
         work = Work(
             requests=tuple(requests),
             num_prompts=len(p.prompts),
@@ -204,7 +215,12 @@ class Admission:
             requested_max_tokens=p.max_tokens,
             candidates=tuple(candidates),
         )
-        reservation = await self._reserve(request_id, principal, policy.policy, work, cache)
+        try:
+            reservation = await self._reserve(request_id, principal, policy.policy, work, cache)
+        except BaseException:
+            if seat.lead is not None:  # refused: its followers run on their own
+                seat.lead.release()
+            raise
         # a cached answer is the requested tier's, even while it is down
         serving = candidates[0] if cache.answer is None else Candidate(tier, p.engine, self._checkpoint(tier))
         target = cascade.target(
@@ -219,15 +235,15 @@ class Admission:
             serving=serving,
             route=p.route,
             conversations=tuple(p.conversations),
+            lead=seat.lead,
+            follow=seat.follow,
         )
 
     def _engine_requests(
         self, request_id: str, principal: Principal, policy: Policy, body: Body, p: Prepared
     ) -> tuple[list[EngineRequest], list[int], list[VerifierHook]]:
         """One engine request per choice (n per prompt), the max tokens each asked for, and the verifier hooks."""
-        # Cached prompt prefixes are shared within a tenant only, unless configured otherwise: a
-        # faster first token would tell one tenant what another tenant's prompts begin with.
-        salt = f"tenant:{principal.tenant_id}" if self.settings.prefix_cache_scope == "tenant" else ""
+        salt = self.salt(principal)
         requests, asked, hooks = [], [], []
         settings = policy.verifiers
         verifier, checks = (
@@ -250,6 +266,7 @@ class Admission:
 
     async def _lookup(
         self,
+        request_id: str,
         principal: Principal,
         policy: Policy,
         body: Body,
@@ -257,14 +274,17 @@ class Admission:
         tier: str,
         params: SamplingParams,
         cache_header: str | None,
-    ) -> CacheDecision:
-        """The response cache's answer for `body` on `tier`, or the key to store its answer under."""
+    ) -> Seat:
+        """The response cache's answer for `body` on `tier`, or the key to store its answer under; and its
+        place in single flight (a follower has waited here for its leader's answer, or its start if streamed)."""
         if self.cache is None:
-            return BYPASS
+            return Seat(BYPASS)
         mode = cache_mode(body.model_extra, cache_header)
-        return await self.cache.lookup(
+        decision = await self.cache.lookup(
             principal.tenant_id, policy.cache, mode, p.endpoint, tier, p.conversation, answer_params(body, params)
         )
+        tenant = principal.tenant_id
+        return await join(self.flights, self.cache.semantic, tenant, request_id, decision, stream=body.stream)
 
     async def _reserve(
         self, request_id: str, principal: Principal, policy: Policy, work: Work, cache: CacheDecision

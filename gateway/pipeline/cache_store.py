@@ -7,18 +7,26 @@ answer is not the requested tier's, and an aborted, failed or escalated one is n
 
 from __future__ import annotations
 
+import time
+
 from gateway.cache_stage import CacheStage
 from gateway.pipeline.plan import Outcome, Plan
+from gateway.response_cache import CachedAnswer
 
 
 def storable(plan: Plan, outcome: Outcome) -> bool:
     return outcome.status == "ok" and outcome.served.name == plan.wanted_tier and plan.cache.key is not None
 
 
+def answer(plan: Plan, outcome: Outcome) -> CachedAnswer | None:
+    """The answer as the cache keeps it (and single-flight followers get it), or None if it is not to be kept."""
+    if not storable(plan, outcome):
+        return None
+    texts, reasons = list(outcome.texts), list(outcome.finish_reasons)
+    usage = (plan.work.prompt_tokens, outcome.completion_tokens)
+    return CachedAnswer(texts, reasons, *usage, outcome.served.name, plan.request_id, int(time.time()))
+
+
 async def store(stage: CacheStage, plan: Plan, outcome: Outcome) -> None:
-    if storable(plan, outcome):
-        usage = (plan.work.prompt_tokens, outcome.completion_tokens)
-        texts, reasons = list(outcome.texts), list(outcome.finish_reasons)
-        await stage.store(
-            plan.caller.principal.tenant_id, plan.cache, texts, reasons, usage, outcome.served.name, plan.request_id
-        )
+    if (found := answer(plan, outcome)) is not None:
+        await stage.store(plan.caller.principal.tenant_id, plan.cache, found)

@@ -8,7 +8,7 @@ only these two.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engines.protocol import TierEngine
 from engines.request import EngineRequest, RequestOutput
@@ -18,6 +18,9 @@ from gateway.tenants import Principal
 from policies.budgets import Reservation
 from policies.store import Versioned
 from verifiers.hook import VerifierHook
+
+if TYPE_CHECKING:  # single_flight reads plans: the type only, no import cycle
+    from gateway.pipeline.single_flight import Flight
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,8 @@ class Plan:
     serving: Candidate  # who serves unless it is down: the first candidate, or the tier of a cached answer
     route: RouteDecision | None = None  # set when the router chose the tier
     conversations: tuple[Any, ...] = ()  # what the router decided on
+    lead: Flight | None = None  # single flight: identical requests in the air wait for this one's answer
+    follow: Flight | None = None  # a streamed follower: the leader whose deltas it streams (`single_flight`)
 
     @property
     def request_id(self) -> str:

@@ -9,7 +9,12 @@
               (`cache_store`); once the response is out, the routing stage's follow-ups run
               (`after_response`)
 
-The plan never changes; what changes while the request runs is in `_RunState`.
+Single flight (`single_flight`): a leader publishes its deltas and, once billed, its answer (or its
+release) to the requests waiting for it; a streamed follower streams the leader's deltas instead of running,
+and runs on its own only if the leader is released.
+
+The plan never changes; what changes while the request runs is in `_RunState`. (A streamed follower's
+generation swaps its plan once for the plan of what it turned out to be: a hit, or a miss run on its own.)
 """
 
 from __future__ import annotations
@@ -27,13 +32,15 @@ from engines.protocol import EngineUnavailable, OutputStream, RequestRejected
 from engines.request import FinishReason, RequestOutput
 from gateway.cache_stage import CacheStage
 from gateway.errors import APIError, invalid
-from gateway.pipeline import cache_store, cascade
+from gateway.pipeline import cache_store, cascade, single_flight
 from gateway.pipeline.metering import Meter
 from gateway.pipeline.plan import Candidate, ChoiceDelta, Outcome, Plan
 from gateway.pipeline.refusals import prompt_param, unavailable
+from gateway.pipeline.single_flight import Flight, Forwarded
 from gateway.response_cache import CachedAnswer
 from gateway.routing import RoutingStage
 from gateway.schemas import Usage
+from verifiers.ask import tier_ask
 
 T = TypeVar("T")
 
@@ -147,6 +154,11 @@ class Generation:
             last = i == len(candidates) - 1
             if first is not None and not (_failed_before_output(first) and not last):
                 s.stream = _Primed(stream, first)
+                if (lead := self.plan.lead) is not None:
+                    if candidate.name == self.plan.wanted_tier:
+                        lead.start(candidate)
+                    else:  # a fallback's answer is not the one its followers would get from the cache
+                        lead.release()
                 return s.stream
             await self._drop_stream()
         await self._release()
@@ -156,7 +168,9 @@ class Generation:
         """For a streamed response, before its headers go out: `begin` (a cached answer needs no tier). If
         that fails or the client leaves, what ran is billed or the reservation given back."""
         try:
-            if self.plan.cache.answer is None:
+            if (follow := self.plan.follow) is not None:  # the leader's tier serves it (single flight)
+                self._state.serving = follow.serving or self._state.serving
+            elif self.plan.cache.answer is None:
                 await watch(self.begin())
         except BaseException:
             await self.abandon()
@@ -171,31 +185,81 @@ class Generation:
             async for delta in self._replay(answer):
                 yield delta
             return
+        source = self._generate() if self.plan.follow is None else self._follow(self.plan.follow)
+        async with aclosing(source) as deltas:
+            async for delta in deltas:
+                yield delta
+
+    async def _generate(self) -> AsyncIterator[ChoiceDelta]:
+        """Run on the engines; a leader's followers see each delta as it comes."""
+        s, lead = self._state, self.plan.lead
         n = self.plan.work.num_choices
         s.texts, s.reasons = [""] * n, [None] * n
         try:
-            stream = await self.begin()
-            async for out in stream:
-                if (delta := self._take(out, stream)) is not None:
-                    yield delta
-            # the engine aborts what is left when it shuts down under a running request
-            s.status = "aborted" if FinishReason.ABORT.value in s.reasons else "ok"
+            try:
+                stream = await self.begin()
+                async for out in stream:
+                    if (delta := self._take(out, stream)) is not None:
+                        if lead is not None:
+                            lead.publish(delta, s.completion_tokens)
+                        yield delta
+                # the engine aborts what is left when it shuts down under a running request
+                s.status = "aborted" if FinishReason.ABORT.value in s.reasons else "ok"
+            except (asyncio.CancelledError, GeneratorExit):
+                s.status = "aborted"
+                raise
+            except BaseException:
+                s.status = "error"
+                raise
+            finally:
+                # Shielded: a cancelled request must still be aborted, counted to its last generated
+                # token (tokens still queued for a departed client included), priced and written down.
+                # No stream: no tier took the requests (all down, or one refused them); `begin` settled.
+                with anyio.CancelScope(shield=True):
+                    if s.stream is not None:
+                        await self._finish()
+            if self._cache is not None and s.outcome is not None:
+                with anyio.CancelScope(shield=True):
+                    await cache_store.store(self._cache, self.plan, s.outcome)
+        finally:
+            if lead is not None:  # only now: a request arriving before the cache had the answer found it here
+                lead.close()
+
+    async def _follow(self, flight: Flight) -> AsyncIterator[ChoiceDelta]:
+        """A streamed follower: the leader's deltas as they come, billed as a cache hit. If the leader is
+        released (refused, failed, left), this request runs on its own, past what was already forwarded."""
+        s = self._state
+        s.started = time.perf_counter()
+        sent = Forwarded(self.plan.work.num_choices)
+        try:
+            async for delta in flight.stream():
+                sent.add(delta)
+                yield delta
         except (asyncio.CancelledError, GeneratorExit):
             s.status = "aborted"
-            raise
-        except BaseException:
-            s.status = "error"
-            raise
-        finally:
-            # Shielded: a cancelled request must still be aborted, counted to its last generated
-            # token (tokens still queued for a departed client included), priced and written down.
-            # No stream: no tier took the requests (all down, or one refused them); `begin` settled.
             with anyio.CancelScope(shield=True):
-                if s.stream is not None:
-                    await self._finish()
-        if self._cache is not None and s.outcome is not None:
+                await self._served(flight.partial(sent.texts, sent.reasons, self.plan.work.prompt_tokens))
+            raise
+        answer = flight.answer
+        if answer is None and all(sent.reasons):  # released after every choice ended: nothing left to run
+            answer = flight.partial(sent.texts, sent.reasons, self.plan.work.prompt_tokens)
+        if answer is not None:
+            s.status = "ok"
             with anyio.CancelScope(shield=True):
-                await cache_store.store(self._cache, self.plan, s.outcome)
+                await self._served(answer)
+            return
+        flight.count_release()
+        self.plan = single_flight.on_own(self.plan)
+        async with aclosing(self._generate()) as own:
+            async for delta in own:
+                if (rest := sent.past(delta)) is not None:
+                    yield rest
+
+    async def _served(self, answer: CachedAnswer) -> None:
+        """Bill a streamed follower as the cache hit it was: the leader's answer, on the leader's tier."""
+        self.plan = single_flight.served(self.plan, answer)
+        self._state.completion_tokens = answer.completion_tokens
+        await self._bill({}, answer.texts, answer.finish_reasons)
 
     async def collect(self) -> tuple[list[str], list[str | None]]:
         """Run to the end: each choice's text and finish reason."""
@@ -245,8 +309,10 @@ class Generation:
         assert stream is not None
         await stream.aclose()
         if s.status == "ok":
+            # Checks that ask the serving tier something (`Context.ask`) do so from the worker thread.
+            ask = tier_ask(s.serving.engine, salt=self.plan.work.requests[0].cache_salt)
             for hook in self.plan.checks.hooks:
-                await anyio.to_thread.run_sync(hook.run_checks)
+                await anyio.to_thread.run_sync(hook.run_checks, ask)
             if cascade.escalates(self.plan.checks):
                 s.status = "escalated"
         s.completion_tokens = sum(o.completion_tokens for o in stream.last.values())
@@ -266,6 +332,8 @@ class Generation:
             ttft=s.ttft,
         )
         s.settled = True
+        if self.plan.lead is not None:  # followers get the answer (or are released) before the ledger write
+            self.plan.lead.finish(cache_store.answer(self.plan, s.outcome))
         await self._meter.bill(self.plan, s.outcome)
 
     async def _drop_stream(self) -> None:
@@ -277,8 +345,10 @@ class Generation:
                 await stream.aclose()
 
     async def _release(self) -> None:
-        """The request never ran: give its reservation back."""
+        """The request never ran: give its reservation back (and release its followers)."""
         self._state.settled = True
+        if self.plan.lead is not None:
+            self.plan.lead.release()
         await self._meter.release(self.plan.reservation)
 
     # --- after the response ---------------------------------------------------------------------------
