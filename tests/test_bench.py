@@ -28,6 +28,7 @@ OPTIONAL = {"llamacpp_batched": "llama_cpp"}  # bench → the module of the `ben
 
 # Benchmarks with no configuration that runs in seconds (measured on a 2-vCPU box): `--help` only.
 HELP_ONLY = {
+    "checks": "needs a label file with answer texts; its math checks load the small tier and ask it",
     "cache": "its KV-tier part times eight prefills of a ~1,000-token prompt (no flag): ~17 s at the smallest trace",
     "engine_throughput": "its shared-prefix TTFT runs ten ~1,000-token prefills (no flag): ~17 s at the smallest",
     "kv_tier": "runs every model of CASES that is in the cache, Qwen2.5-Coder-0.5B included",
@@ -35,6 +36,7 @@ HELP_ONLY = {
     "moe": "splits Qwen2.5-Coder-1.5B into experts (minutes, once) and serves it three ways",
     "policy_tune": "loads both configured tiers (Qwen2.5-Coder 0.5B and 1.5B) and tunes over a candidate grid",
     "quant": "loads bf16, int8 and int4 engines and runs perplexity on each: tens of seconds at the smallest",
+    "savings": "a gateway, two SmolLM2 tiers and a router trained on the spot: tests/test_bench_savings.py runs it",
     "spec_decode": "serves Qwen2.5-Coder-1.5B int8 with 0.5B drafts: tens of seconds at the smallest",
     "verifiers": "loads both configured tiers and answers GSM8K problems on them",
 }
@@ -239,3 +241,35 @@ def test_moe_serves_the_split_with_another_top_k(tmp_path: Path, bench_module: C
     served = moe.with_top_k(split, 4)
     assert json.loads((served / "config.json").read_text()) == {"num_experts": 8, "num_experts_per_tok": 4}
     assert (served / "model.safetensors").resolve() == (split / "model.safetensors").resolve()  # the same weights
+
+
+def test_checks_measures_precision_and_recall_of_wrong_answers(tmp_path: Path, bench_module: Callable) -> None:
+    """bench.checks on a label file of four answers to one code prompt: the two that fail its doctest are
+    escalated, and the report counts them right (no engine: `prompt_examples` asks nothing)."""
+    checks = bench_module("checks")
+    prompt = 'Complete it.\n\n```python\ndef double(x):\n    """\n    >>> double(2)\n    4\n    """\n```'
+    right, wrong = "```python\ndef double(x):\n    return 2 * x\n```", "```python\ndef double(x):\n    return x\n```"
+    rows = [  # (answer, small_ok, large_ok): a check that escalates the two wrong ones is right both times
+        (right, True, True), (wrong, False, True), (wrong, False, False), (right, False, True),
+    ]  # fmt: skip
+    labels = tmp_path / "labels.jsonl"
+    labels.write_text("".join(
+        json.dumps({"id": f"code/{i}", "source": "code", "small_ok": ok, "large_ok": large, "small_text": text,
+                    "messages": [{"role": "user", "content": prompt}]}) + "\n"
+        for i, (text, ok, large) in enumerate(rows)
+    ))  # fmt: skip
+    _, cases = checks.load_cases(labels, tmp_path, "all")
+    assert [c.text for c in cases] == [r[0] for r in rows]
+    results = list(checks.measure("prompt_examples", checks.make_check("prompt_examples", tmp_path, []), cases,
+                                  None, 2, "m"))  # fmt: skip
+    assert [r["action"] for r in results] == ["continue", "escalate", "escalate", "continue"]
+    m = checks.summarize(results)["prompt_examples"]["code"]
+    assert (m["rows"], m["looked"], m["wrong"], m["escalated"], m["caught"]) == (4, 4, 3, 2, 2)
+    assert (m["precision"], m["recall"]) == (1.0, round(2 / 3, 3))
+    assert (m["small_acc"], m["cascade_acc"], m["large_acc"]) == (0.25, 0.5, 0.75)  # escalated: the large label
+    assert m["tokens_per_row"] == 0.0  # it asked no tier
+    results_file = tmp_path / "results.jsonl"
+    for r in results:
+        checks.append(results_file, r)
+    assert set(checks.read_results(results_file, "m")) == {(f"code/{i}", "prompt_examples") for i in range(4)}
+    assert checks.read_results(results_file, "another model") == {}  # a rerun resumes only its own

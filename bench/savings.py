@@ -1,0 +1,202 @@
+"""The gateway's promise on one mixed trace: what `model: "auto"` with each tenant's policy costs and gets
+right against sending everything to the large tier, and what the finance API says was saved, by lever.
+
+    OMP_NUM_THREADS=2 .venv/bin/python -m bench.savings [--requests 800] [--seed 0] [--profile default|tiny]
+        [--concurrency 32] [--time-scale 1] [--max-tokens N] [--router DIR] [--embedded] [--out DIR]
+
+The trace (`bench/savings_trace.py`, seeded): GSM8K, HumanEval, short facts, MT-bench first turns and chat
+openers, about 30% of them repeats or paraphrases of earlier requests, three tenants, arrivals in bursts
+of 5-40. It is replayed through a live `switchboard serve` (`bench/savings_gateway.py`: a fresh PostgreSQL
+database and a Redis namespace, or `--embedded` SQLite and in-process counters) twice, at most
+`--concurrency` requests in flight, each at its arrival time (`--time-scale 0`: all at once):
+
+  large  every request on `large`, `"cache": "no-store"`, tenants whose policy turns the cache off;
+  auto   `model: "auto"` with each tenant's policy: `saver` (10% of its prompts large, semantic cache, a
+         max_tokens cap at 3/4 of the largest request's), `balanced` (30% large), `quality` (60% large, the
+         `prompt_examples` check with a cascade to large, the degeneration verifier). Each threshold sends
+         its share of the trace's distinct prompts large, as `switchboard router calibrate --tenant` would.
+
+Every answer is graded (`bench/savings_grade.py`; open chat judged by the large tier against the
+always-large answer). Cost and the saving by lever come from `GET /v1/finance/savings` for each run's
+tenants and days, checked against the ledger's rows and their tokens × prices: a relative difference
+above 1e-6 fails the run (exit status 1). The routing time is the `switchboard_route_seconds` histogram
+over the auto run (the gateway records no per-request routing time), its median interpolated in its bucket.
+
+The router: `--router DIR`, else for the default profile HOME/router if it loads, else one trained first,
+on the shipped labels (minutes); `--profile tiny` (SmolLM2-135M as both `small` and `large`) trains one on
+synthetic labels (seconds).
+Writes to `--out`: the trace, every response (`large.jsonl`, `auto.jsonl`, as they come), the gateway's
+log and `savings.png` (accuracy against cost: the router's held-out threshold sweep, each tenant's
+threshold on it, the run's measured points). Prints a table per run and tenant; the last line is JSON:
+`accuracy_ratio` and `cost_ratio` (auto / always-large), `apgr` and `apgr_ci_low` (the router's
+metadata; null when absent), `route_p50_ms`, `saved_<lever>` (USD, auto run), hit rate, failures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+from bench import savings_gateway as gateway
+from bench import savings_grade as grade
+from bench.savings_gateway import LARGE_SHARES, ROLES, Served, say
+from bench.savings_grade import LEVERS
+from bench.savings_report import calibrate, heldout_sweep, plot, print_table, router_figures, summarize
+from bench.savings_trace import Request, build_trace, load_pools, summary
+
+RUNS = ("large", "auto")
+
+
+@dataclass
+class Measured:
+    results: dict[str, list[dict]]  # run → one record per request, in trace order
+    grades: dict[str, list]  # run → True / False / None (not gradable) per request
+    finance: dict[tuple[str, str], dict]  # (run, role) → the finance API's row
+    problems: list[str]  # the cross-check's disagreements
+    route_p50_ms: float | None
+    notes: dict[str, Any]
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.savings", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--requests", type=int, default=800, help="requests in the trace")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", choices=("default", "tiny"), default="default")
+    p.add_argument("--concurrency", type=int, default=32, help="requests in flight at most")
+    p.add_argument("--time-scale", type=float, default=1.0, help="arrival times × this (0: all due at once)")
+    p.add_argument("--max-tokens", type=int, help="cap every source's max_tokens (e.g. 16 for a smoke run)")
+    p.add_argument("--repeat-share", type=float, default=0.3, help="requests that repeat or paraphrase (≤ 0.4)")
+    p.add_argument("--router", type=Path, help="a saved router (default: see above)")
+    p.add_argument("--embedded", action="store_true", help="SQLite and in-process counters, no PostgreSQL/Redis")
+    p.add_argument("--home", type=Path, default=Path(os.environ.get("SWITCHBOARD_HOME", "~/.cache/switchboard")))
+    p.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "sb-bench-savings")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds one request may take")
+    p.add_argument("--grade-workers", type=int, default=2, help="HumanEval sandbox runs at once")
+    return p.parse_args()
+
+
+def measure(args: argparse.Namespace, gw: Served, trace: list[Request], thresholds: dict[str, float]) -> Measured:
+    """Both runs, the grading, the finance API's answer and the cross-check."""
+    cap = max(1, round(0.75 * max(r.max_tokens for r in trace)))
+    tenants, ops = gateway.create_tenants(gw.db_url, gateway.auto_policies(thresholds, cap))
+    keys = {run: {role: tenants[(run, role)].key for role in ROLES} for run in RUNS}
+    if not gateway.offers_auto(gw.url, keys["auto"]["balanced"]):
+        raise SystemExit(f'the gateway offers no `model: "auto"` (see {gw.log}); nothing to compare')
+    first_day = datetime.now(UTC).date()
+    results: dict[str, list[dict]] = {}
+    common = {"concurrency": args.concurrency, "time_scale": args.time_scale, "timeout": args.timeout}
+    for run, model in (("large", "large"), ("auto", "auto")):
+        before = gateway.route_histogram(gw.url)
+        replay = gateway.replay(gw.url, trace, keys[run], model=model, no_store=run == "large",
+                                record=args.out / f"{run}.jsonl", desc=run, **common)  # fmt: skip
+        results[run] = asyncio.run(replay)
+        if failed := [x for x in results[run] if not x.get("ok")]:
+            say(f"{run}: {len(failed)} of {len(trace)} requests failed, e.g. {[x['error'] for x in failed[:3]]}")
+    route_p50 = gateway.histogram_p50_ms(before, gateway.route_histogram(gw.url))  # the auto run's decisions
+    say("grading")
+    grades = grade.grade_references(trace, results, args.grade_workers)
+    judge_key = tenants[("judge", "judge")].key
+
+    def judge(conversations: list[list[dict[str, str]]]) -> list[str | None]:
+        from router_model.label import JUDGE_MAX_TOKENS
+
+        asks = gateway.ask_large(gw.url, judge_key, conversations, JUDGE_MAX_TOKENS, args.concurrency, args.timeout)
+        return asyncio.run(asks)
+
+    judged = grade.judge_chats(trace, results["large"], results["auto"], grades, judge)
+    names = {t.name: t for t in tenants.values() if t.run != "judge"}
+    answered = sum(x.get("ok", False) for run in RUNS for x in results[run])
+    rows = gateway.settle_ledger(gw.db_url, list(names), answered)
+    finance = grade.finance_savings(gw.url, ops, first_day, datetime.now(UTC).date())
+    ledger = grade.ledger_rows(gw.db_url, list(names))
+    policies = {n: t.policy for n, t in names.items()}
+    problems = grade.crosscheck({n: finance[n] for n in names if n in finance}, ledger, policies)
+    empty = {"requests": 0, **{k: Decimal(0) for k in grade.AMOUNTS}}
+    by_role = {(t.run, t.role): finance.get(n, empty) for n, t in names.items()}
+    usage = grade.usage_agreement(results["large"] + results["auto"], ledger)
+    notes = {**judged, "ledger_rows": rows, "usage": usage, "thresholds": thresholds, "saver_max_tokens_cap": cap}
+    return Measured(results, grades, by_role, problems, route_p50, notes)
+
+
+def ratio(a: float | Decimal | None, b: float | Decimal | None) -> float | None:
+    return None if a is None or b is None or not b else round(float(a) / float(b), 4)
+
+
+def report(args: argparse.Namespace, trace: list[Request], m: Measured, router_dir: Path) -> dict[str, Any]:
+    """The tables, the PNG, and the summary that becomes the last line."""
+    summaries: dict[str, dict[str, Any]] = {}
+    for run in RUNS:
+        for label, roles in ((f"{run}/", ROLES), *((f"{run}/{role}", (role,)) for role in ROLES)):
+            finance = [m.finance[(run, r)] for r in roles]
+            summaries[label] = summarize(trace, m.results[run], m.grades[run], finance, set(roles))
+    title = f"Savings on one mixed trace: {len(trace)} requests, profile {args.profile}, seed {args.seed}"
+    print_table(title, summaries)
+    large, auto = summaries["large/"], summaries["auto/"]
+    measured = {"always large (trace)": (1.0, large["accuracy"] or 0.0)}
+    measured["auto (trace)"] = (ratio(auto["cost"], large["cost"]) or 0.0, auto["accuracy"] or 0.0)
+    for role in ROLES:
+        s, base = summaries[f"auto/{role}"], summaries[f"large/{role}"]
+        measured[f"auto, {role}"] = (ratio(s["cost"], base["cost"]) or 0.0, s["accuracy"] or 0.0)
+    sweep = heldout_sweep(router_dir, args.home.expanduser())
+    if sweep is None:
+        say("the router's label file is gone or it held nothing out: the plot has no held-out sweep")
+    png = plot(sweep, m.notes["thresholds"], measured, args.out / "savings.png",
+               f"Cost against accuracy, {len(trace)} requests ({args.profile})")  # fmt: skip
+    print(f"\nplot: {png}\nrouting thresholds: {json.dumps(m.notes['thresholds'])}")
+    print(f"judge: {m.notes['judged']} judged, {m.notes['judge_failed']} failed; "
+          f"responses' usage against the ledger: {m.notes['usage']}")  # fmt: skip
+    saved = sum(auto["saved"].values(), Decimal(0))
+    return {
+        "requests": len(trace), "profile": args.profile, "seed": args.seed,
+        "accuracy_large": large["accuracy"], "accuracy_auto": auto["accuracy"],
+        "accuracy_ratio": ratio(auto["accuracy"], large["accuracy"]),
+        "cost_large": float(large["cost"]), "cost_auto": float(auto["cost"]),
+        "cost_ratio": ratio(auto["cost"], large["cost"]),
+        **router_figures(router_dir), "route_p50_ms": m.route_p50_ms,
+        "hit_rate": round(auto["hit_rate"], 4), "large_share": round(auto["tiers"].get("large", 0.0), 4),
+        **{f"saved_{lv}": float(auto["saved"][lv]) for lv in LEVERS},
+        "saved_share": ratio(saved, auto["counterfactual"]),
+        "failed_large": large["failed"], "failed_auto": auto["failed"], "cascaded": auto["cascaded"],
+        "judged": m.notes["judged"],
+        "crosscheck": "ok" if not m.problems else "FAILED", "png": str(png),
+    }  # fmt: skip
+
+
+def main() -> None:
+    args = parse_args()
+    home = args.home.expanduser()
+    args.out.mkdir(parents=True, exist_ok=True)
+    threads = int(os.environ.get("OMP_NUM_THREADS", "2"))
+    trace = build_trace(load_pools(home), args.requests, args.seed, repeat_share=args.repeat_share,
+                        max_tokens=args.max_tokens)  # fmt: skip
+    (args.out / "trace.jsonl").write_text("".join(json.dumps(asdict(r)) + "\n" for r in trace))
+    say(f"trace: {json.dumps(summary(trace))}")
+    router_dir = gateway.prepare_router(args.router, args.profile, home, args.out)
+    thresholds = calibrate(router_dir, trace, LARGE_SHARES)
+    say(f"router {router_dir}; thresholds {thresholds}; starting the gateway (log {args.out / 'gateway.log'})")
+    gw = gateway.start_gateway(home, args.profile, router_dir, args.embedded, args.out / "gateway.log", threads)
+    try:
+        measured = measure(args, gw, trace, thresholds)
+    finally:
+        gw.stop()
+    result = report(args, trace, measured, router_dir)
+    for problem in measured.problems:
+        say(f"CROSS-CHECK FAILED: {problem}")
+    print(json.dumps(result))
+    if measured.problems:
+        sys.exit(f"the finance API disagrees with prices × usage ({len(measured.problems)} problems, above)")
+
+
+if __name__ == "__main__":
+    main()
