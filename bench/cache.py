@@ -195,6 +195,7 @@ def main() -> None:
             redis_url=services.redis_url(),
             redis_namespace=f"sbbench-{uuid.uuid4().hex[:8]}",
             tiers={"small": {"model": "smollm2-135m-instruct", "threads": THREADS}},
+            router_auto_train=False,  # no router training competing with the measured requests
         )
         base, server, thread = serve(settings)
         app = server.config.app  # type: ignore[attr-defined]

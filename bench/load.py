@@ -383,6 +383,7 @@ def start_gateway(home: Path, sqlite: bool, log: Path, cprofile: Path | None = N
         "SWITCHBOARD_PROFILE": "tiny",
         "SWITCHBOARD_PORT": str(port),
         "SWITCHBOARD_LOG_LEVEL": "warning",  # no access log: it would cost the server CPU per request
+        "SWITCHBOARD_ROUTER_AUTO_TRAIN": "false",  # no router training competing with the load
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
         "PYTHONPATH": str(ROOT),
     }

@@ -93,11 +93,13 @@ class TierSettings(BaseModel):
         return key
 
 
-# Named sets of tiers. default: the product's shape, a 0.5B and a 1.5B Qwen2.5-Coder sharing a
-# tokenizer, int8 (bf16 crawls on CPUs without AVX-512; int8 is within 0.2% perplexity). tiny: SmolLM2
-# for tests and quick starts.
+# Named sets of tiers. default: the product's shape, the tier ladder `auto` routes on: SmolLM2-135M
+# (greetings, short facts, rewording) below a 0.5B and a 1.5B Qwen2.5-Coder sharing a tokenizer, all int8
+# (bf16 crawls on CPUs without AVX-512; int8 is within 0.2% perplexity). tiny: SmolLM2 alone, for tests
+# and quick starts.
 PROFILES: dict[str, dict[str, dict]] = {
     "default": {
+        "tiny": {"model": "smollm2-135m-instruct", "weights": "int8"},
         "small": {"model": "qwen2.5-coder-0.5b-instruct", "weights": "int8"},
         "large": {"model": "qwen2.5-coder-1.5b-instruct", "weights": "int8"},
     },
@@ -137,6 +139,15 @@ class Settings(BaseSettings):
         "tenant", description="tenant: cached prompt prefixes are reused only within a tenant"
     )
     router_dir: Path | None = Field(None, description='the trained router `model: "auto"` uses; default: home/router')
+    router_hidden_max_waiting: int = Field(
+        8, ge=0, description="a router on the small tier's hidden state routes on text when more wait in that queue"
+    )
+    router_hidden_timeout_s: float = Field(
+        5.0, gt=0, description="a router on the hidden state routes on text when the small tier's prefill takes longer"
+    )
+    router_auto_train: bool = Field(
+        True, description="on start, train the router from the shipped labels where there is none (or an outdated one)"
+    )
     probe_dir: Path | None = Field(None, description="the answer probe policy check `probe` uses; default: home/probe")
     router_threads: int = Field(1, ge=1, description="torch threads of the routing thread (the engines use the rest)")
     tuning_check_seconds: float = Field(

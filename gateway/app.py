@@ -33,6 +33,7 @@ from gateway.metrics import Metrics
 from gateway.metrics import router as metrics_router
 from gateway.pipeline import Pipeline
 from gateway.response_cache import ResponseCache
+from gateway.router_bootstrap import RouterBootstrap, start_bootstrap
 from gateway.routing import RoutingStage
 from gateway.semantic_cache import SemanticCache
 from gateway.tenants import use_key_secret
@@ -101,6 +102,7 @@ class _Running:
     counters: Counters
     cache: CacheStage
     routing: RoutingStage
+    bootstrap: RouterBootstrap | None  # training the router after startup, where there was none
 
 
 def _lifespan(engines: Mapping[str, TierEngine] | None, database: Database | None) -> Lifespan:
@@ -147,11 +149,12 @@ async def _start(config: AppConfig, engines: Mapping[str, TierEngine] | None, da
     budgets = Budgets(db, counters, settings.redis_namespace)
     routing = await anyio.to_thread.run_sync(_routing, settings, running, db, ledger, budgets, config.metrics)
     probe = await anyio.to_thread.run_sync(_probe, settings, routing)
+    bootstrap = await start_bootstrap(settings, routing)  # no router: one is trained once the server is up
     pipeline = Pipeline(running, ledger, settings, policies, budgets, cache, config.metrics, routing, probe)
     started = int(time.time())
     tuning = TuningSchedule(db, policies, proposals, running, settings.home_dir)
     services = Services(db, policies, proposals, budgets, pipeline, tuning, started)
-    return _Running(services, running, ledger, counters, cache, routing)
+    return _Running(services, running, ledger, counters, cache, routing, bootstrap)
 
 
 def _start_engines(settings: Settings, engines: Mapping[str, TierEngine] | None) -> dict[str, TierEngine]:
@@ -182,6 +185,8 @@ async def _stop(
         schedule.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await schedule
+    if running.bootstrap is not None:
+        running.bootstrap.stop()  # a router it finishes now is saved for the next start, not served
     await running.routing.close()  # shadow runs still going finish first: they need the engines and the ledger
     if own_engines:
         for engine in set(running.engines.values()):
@@ -211,8 +216,16 @@ def _routing(
     metrics: Metrics,
 ) -> RoutingStage:
     """The routing stage, with the trained router if one is saved (MiniLM loads here, not on a first request)."""
+    from gateway.routing_hidden import HiddenStateSource
     from gateway.shadow import Relabeler
+    from router_model.label import tier_model
     from router_model.routed_prompts import RoutedPromptStore
 
     relabeler = Relabeler(engines, settings, ledger, budgets, metrics)
-    return RoutingStage.load(settings.router_path, settings.router_threads, engines, RoutedPromptStore(db), relabeler)
+    stage = RoutingStage.load(settings.router_path, settings.router_threads, engines, RoutedPromptStore(db), relabeler)
+    small = settings.tiers.get("small")
+    stage.hidden = HiddenStateSource(
+        engines.get("small"), tier_model(small) if small else None,
+        max_waiting=settings.router_hidden_max_waiting, timeout_s=settings.router_hidden_timeout_s,
+    )  # fmt: skip
+    return stage

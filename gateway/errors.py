@@ -65,7 +65,8 @@ _DESCRIPTIONS = {
     422: "A body or parameter that does not fit the schema; `param` names the field",
     429: "An exhausted budget or a rate limit",
     503: "Not reachable right now, retry shortly: the model's engine (`engine_unavailable`), the budget counters"
-    " (`budget_unavailable`) or the database (`database_unavailable`)",
+    " (`budget_unavailable`), the database (`database_unavailable`) or, on a first start, the router `auto` needs"
+    " (`router_building`)",
 }
 
 

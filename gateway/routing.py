@@ -23,19 +23,21 @@ import asyncio
 import logging
 import time
 from collections.abc import Coroutine, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import anyio
+import numpy as np
 
 from engines.protocol import TierEngine
 from gateway.errors import APIError
+from gateway.routing_hidden import HiddenStateSource
 from gateway.tenants import Principal
 from policies.policy import Policy
 from router_model.drift import LargeShareWindow, Shares
 from router_model.features import Messages
-from router_model.model import LARGE, SMALL, RouterLoadError
+from router_model.model import LARGE, SMALL, RouterLoadError, cheapest_tier
 from router_model.routed_prompts import RoutedPromptStore
 from router_model.serving import RouterService
 
@@ -46,6 +48,9 @@ if TYPE_CHECKING:  # the pipeline runs this stage, and the relabeler meters thro
 log = logging.getLogger(__name__)
 
 AUTO = "auto"
+TINY = "tiny"
+LADDER = (TINY, SMALL, LARGE)  # the tiers `auto` picks among, cheapest first
+BUILDING_RETRY_AFTER_S = 5  # the `retry-after` of `auto`'s 503 while a router is built after startup
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,8 @@ class RouteDecision:
     threshold_from: str  # policy | tenant | global
     calibrated_large_share: float | None  # what the threshold was calibrated to send large; None: a fixed one
     seconds: float  # the decision's time, queueing for the router thread included
+    p_ok: dict[str, float] = field(default_factory=dict)  # P(good enough) per tier the router predicts
+    features: str = "text"  # "hidden": from the small tier's hidden state; "text": the text router decided
 
 
 class RoutingStage:
@@ -72,10 +79,12 @@ class RoutingStage:
         self.prompts = prompts
         self.relabeler = relabeler
         self.unavailable = unavailable  # why there is no router, for the 404 and the admin stats
+        self.building = False  # a router is being built after startup (`gateway.router_bootstrap`): 503, not 404
         self.drift = LargeShareWindow()
         self.tenant_drift: dict[str, LargeShareWindow] = {}
         self._stale_warned: set[tuple[str, str]] = set()
         self._background: set[asyncio.Task[None]] = set()
+        self.hidden: HiddenStateSource | None = None  # the small tier's prefill, for routers trained on it
 
     @classmethod
     def load(
@@ -98,8 +107,26 @@ class RoutingStage:
         log.info("router loaded from %s (%s)", directory, service.router.metadata.get("classifier"))
         return cls(service, engines, prompts, relabeler)
 
+    def await_router(self, why: str) -> None:
+        """A router is being built after startup: until `use_router`, `auto` is a 503 saying `why`."""
+        self.building, self.unavailable = True, why
+
+    def use_router(self, service: RouterService | None, unavailable: str = "") -> None:
+        """Take the router built after startup (on the event loop); None: building it failed, `unavailable` says why."""
+        self.service, self.building = service, False
+        self.unavailable = unavailable or self.unavailable
+
     def wants(self, model: str, policy: Policy) -> bool:
-        """Whether this request is routed; `auto` without a router is a 404 naming the reason."""
+        """Whether this request is routed; `auto` without a router is a 404 naming the reason (503 while one
+        is being built)."""
+        if model == AUTO and self.service is None and self.building:
+            raise APIError(
+                503,
+                f"The model `auto` is not available yet: {self.unavailable}. Retry in a few seconds, or name a tier.",
+                code="router_building",
+                param="model",
+                headers={"retry-after": str(BUILDING_RETRY_AFTER_S)},
+            )
         if model == AUTO and self.service is None:
             raise APIError(
                 404,
@@ -113,8 +140,12 @@ class RoutingStage:
         """Whether `/v1/models` lists `auto` for this policy: a router, and a tier it may route to."""
         return self.service is not None and bool(self._tiers(policy))
 
-    async def route(self, principal: Principal, policy: Policy, conversations: Sequence[Messages]) -> RouteDecision:
-        """Decide on the hardest of the request's conversations (a completion may carry several prompts)."""
+    async def route(
+        self, principal: Principal, policy: Policy, conversations: Sequence[Messages], salt: str = ""
+    ) -> RouteDecision:
+        """Decide on the hardest of the request's conversations (a completion may carry several prompts):
+        the cheapest allowed tier whose predicted P(good enough) meets the threshold, else the largest.
+        `salt`: the request's prefix-cache salt, so the small tier's routing prefill is reused."""
         assert self.service is not None, "wants() said no router"
         tiers = self._tiers(policy)
         if not tiers:
@@ -125,13 +156,30 @@ class RoutingStage:
                 param="model",
             )
         start = time.perf_counter()
-        p = min(await asyncio.gather(*(self.service.p_small_ok(c) for c in conversations)))
+        router = self.service.router
+        spec = router.hidden_spec
+        states: list[np.ndarray | None] = [None] * len(conversations)
+        if spec is not None and self.hidden is not None:
+            states = list(await asyncio.gather(*(self.hidden.state(spec, list(c), salt) for c in conversations)))
+        scored = await asyncio.gather(*(self.service.p_ok(c, s) for c, s in zip(conversations, states, strict=True)))
+        p_ok = {tier: min(p[tier] for p in scored) for tier in scored[0]}  # the hardest conversation decides
         threshold, source, expected = self.threshold(policy, principal.tenant_name)
-        choice = SMALL if p >= threshold else LARGE
+        ladder = [t for t in LADDER if t in self.engines]
+        choice = cheapest_tier(p_ok, threshold, ladder)  # the router's own choice, before the policy's tiers
         self.drift.add(choice == LARGE, expected)
         self.tenant_drift.setdefault(principal.tenant_name, LargeShareWindow()).add(choice == LARGE, expected)
-        tier = choice if choice in tiers else tiers[0]
-        return RouteDecision(tier, p, threshold, source, expected, time.perf_counter() - start)
+        tier = choice if choice in tiers else cheapest_tier(p_ok, threshold, tiers)
+        used = all(s is not None for s in states) and spec is not None
+        return RouteDecision(
+            tier,
+            p_ok[SMALL],
+            threshold,
+            source,
+            expected,
+            time.perf_counter() - start,
+            p_ok,
+            "hidden" if used else "text",
+        )
 
     def threshold(self, policy: Policy, tenant: str) -> tuple[float, str, float | None]:
         """(threshold, where it came from, the large share it was calibrated to send)."""
@@ -150,7 +198,8 @@ class RoutingStage:
         return router.threshold, "global", router.large_share_for(None)
 
     def _tiers(self, policy: Policy) -> list[str]:
-        return [t for t in (SMALL, LARGE) if t in self.engines and policy.allows(t)]
+        """The tiers `auto` may pick for this policy, cheapest first."""
+        return [t for t in LADDER if t in self.engines and policy.allows(t)]
 
     def after_response(self, plan: Plan, outcome: Outcome) -> None:
         """Once the response is out: store the conversation, maybe start a shadow run. Never blocks."""
@@ -189,7 +238,7 @@ class RoutingStage:
         """What `GET /v1/admin/router` shows; `tenants`: the ones the caller may see (None: all)."""
         out: dict[str, object] = {"loaded": self.service is not None}
         if self.service is None:
-            out["reason"] = self.unavailable
+            out["reason"], out["building"] = self.unavailable, self.building
         else:
             meta = self.service.router.metadata
             out["router"] = {
@@ -200,7 +249,12 @@ class RoutingStage:
                 "threshold": self.service.router.threshold,
                 "threshold_from": meta.get("threshold_from"),
                 "large_share": meta.get("large_share"),
+                "features": meta.get("features", "text"),
+                "hidden": meta.get("hidden"),
+                "predicts": [SMALL, *self.service.router.cheaper],
             }
+            if self.hidden is not None:  # how often the hidden state was at hand, and why not
+                out["hidden_states"] = dict(self.hidden.counts)
         out["drift"] = self.drift.shares().as_dict() if tenants is None else None
         out["tenants"] = {
             name: window.shares().as_dict()

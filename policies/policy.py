@@ -135,8 +135,8 @@ class VerifierSettings(_Strict):
     every_n_tokens: int = Field(16, ge=1)
     degeneration: DegenerationSettings = Field(default_factory=DegenerationSettings)
     confidence: ConfidenceSettings = Field(default_factory=ConfidenceSettings)
-    checks: list[Literal["math", "code", "structure", "probe"]] = Field(
-        default_factory=list, description="final answer checks: a failed one escalates (see `cascade`)"
+    checks: list[Literal["math", "code", "structure", "probe", "prompt_examples", "program_of_thought", "resample"]] = (
+        Field(default_factory=list, description="final answer checks: a failed one escalates (see `cascade`)")
     )
     probe_threshold: float | None = Field(
         None, ge=0.0, le=1.0, description="the probe escalates answers below this P(right); default: its own"
@@ -188,7 +188,10 @@ class Budget(_Strict):
         return self
 
 
+# USD per million tokens, roughly in proportion to the parameters each tier reads per token
+# (135M, 494M, 1.5B): what a hosted model of that size costs.
 DEFAULT_PRICES = {
+    "tiny": TierPrice(prompt=Decimal("0.03"), cached_prompt=Decimal("0.003"), completion=Decimal("0.10")),
     "small": TierPrice(prompt=Decimal("0.10"), cached_prompt=Decimal("0.01"), completion=Decimal("0.40")),
     "large": TierPrice(
         prompt=Decimal("0.50"),

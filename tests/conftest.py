@@ -29,6 +29,9 @@ os.environ["SWITCHBOARD_CONFIG"] = "/nonexistent/switchboard.toml"
 # One key secret for every gateway, CLI and test in this process and the servers it starts: keys made
 # here must authenticate there, whatever home directory each one uses.
 os.environ["SWITCHBOARD_KEY_SECRET"] = "switchboard-tests-key-secret"
+# A gateway without a router would train one from the shipped labels after startup (~20 s of CPU each):
+# tests ask for that with `router_auto_train=True` (tests/gateway/test_router_bootstrap.py).
+os.environ["SWITCHBOARD_ROUTER_AUTO_TRAIN"] = "false"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 MODELS_HOME = Path(os.environ.get("SWITCHBOARD_HOME", "~/.cache/switchboard")).expanduser()

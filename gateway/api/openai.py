@@ -55,6 +55,9 @@ def _generation_responses(chunk: str) -> dict[int | str, dict[str, Any]]:
 CACHE_CONTROL = "x-switchboard-cache-control"  # no-cache | no-store, like the body's `cache` field
 TIER_HEADER = "x-switchboard-tier"  # the tier that served: the requested one (or the router's), or its fallback
 ROUTE_P_HEADER = "x-switchboard-route-p-small"  # routed requests: the router's P(small is good enough)
+# Routed requests: every tier's predicted P(good enough) and what it was read from, e.g.
+# `tiny=0.412,small=0.873; hidden` (hidden: the small tier's hidden state; text: the text router).
+ROUTE_HEADER = "x-switchboard-route"
 # Non-streamed responses whose policy runs verifiers: what they did, `choice:verifier:action@tokens`
 # comma-separated, or `none`; the usage record holds the same with scores and reasons (streams too).
 VERIFIERS_HEADER = "x-switchboard-verifiers"
@@ -116,6 +119,8 @@ async def _respond(
         headers["x-switchboard-cache-source"] = plan.cache.answer.request_id
     if plan.route is not None:
         headers[ROUTE_P_HEADER] = f"{plan.route.p_small_ok:.3f}"
+        predicted = ",".join(f"{tier}={p:.3f}" for tier, p in sorted(plan.route.p_ok.items()))
+        headers[ROUTE_HEADER] = f"{predicted}; {plan.route.features}"
     watch = partial(until_disconnect, request)
     try:
         if body.stream:

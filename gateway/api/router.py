@@ -32,6 +32,9 @@ class RouterInfo(BaseModel):
     threshold: float = Field(description="the global threshold")
     threshold_from: str | None
     large_share: float | None = Field(description="the share the global threshold sent large where it was calibrated")
+    features: str = Field("text", description="hidden: decides on the small tier's hidden state; text: on the text")
+    hidden: dict[str, str | int] | None = Field(None, description="the hidden state it reads: tier, model, layer, dim")
+    predicts: list[str] = Field(default_factory=list, description="the tiers whose success it predicts")
 
 
 class RouterStats(BaseModel):
@@ -40,6 +43,10 @@ class RouterStats(BaseModel):
     router: RouterInfo | None = None
     drift: Shares | None = Field(None, description="every tenant's decisions (the operator's keys only)")
     tenants: dict[str, Shares] = Field(description="per tenant name")
+    hidden_states: dict[str, int] | None = Field(
+        None, description="routing decisions by where they came from: used (the hidden state) or why the text router "
+        "decided instead (busy, timeout, down, failed, other_model, not_local)",
+    )  # fmt: skip
 
 
 @router.get("/admin/router", response_model=RouterStats)

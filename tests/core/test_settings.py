@@ -14,7 +14,8 @@ def test_defaults_serve_the_qwen_pair_on_sqlite(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.delenv("SWITCHBOARD_HOME", raising=False)
     s = Settings()
     assert (s.host, s.port) == ("127.0.0.1", 8000)
-    assert list(s.tiers) == ["small", "large"] and s.tiers["large"].model == "qwen2.5-coder-1.5b-instruct"
+    assert list(s.tiers) == ["tiny", "small", "large"] and s.tiers["large"].model == "qwen2.5-coder-1.5b-instruct"
+    assert s.tiers["tiny"].model == "smollm2-135m-instruct"
     assert s.database == f"sqlite:///{Path('~/.cache/switchboard').expanduser() / 'switchboard.db'}"
     assert (
         s.model_dir(s.tiers["small"])

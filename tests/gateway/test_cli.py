@@ -32,6 +32,7 @@ def home_env(tmp_path: Path, smollm2_dir: Path) -> dict[str, str]:
     (home / "models" / smollm2_dir.name).symlink_to(smollm2_dir)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHBOARD_")}
     env.update(SWITCHBOARD_HOME=str(home), SWITCHBOARD_CONFIG=str(tmp_path / "switchboard.toml"))
+    env.update(SWITCHBOARD_ROUTER_AUTO_TRAIN="false")  # no router trained in the background of these tests
     return env
 
 

@@ -76,6 +76,7 @@ def replicas(
         SWITCHBOARD_TIERS__SMALL__MODEL="smollm2-135m-instruct",  # the tiny profile's tier,
         SWITCHBOARD_TIERS__SMALL__THREADS="1",  # on one thread each: two replicas share the machine
         SWITCHBOARD_LOG_LEVEL="warning",
+        SWITCHBOARD_ROUTER_AUTO_TRAIN="false",  # no router trained into the shared home behind the budget test
     )
     db = Database(postgres_url)
     db.upgrade()  # once, here: two replicas migrating one fresh database at the same moment would race

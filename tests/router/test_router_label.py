@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from core.settings import Settings
+from engines.engine import Engine
 from gateway.cli import main
 from gateway.tiers import load_engines
 from grading.datasets import SOURCES, Item, items_by_id, load_items
@@ -219,8 +220,8 @@ def test_label_run_resumes(
         settings = Settings()
     engines = load_engines(settings)
     small, large = engines["small"].engine, engines["large"].engine
-    models = (tier_model(settings.tiers["small"]), tier_model(settings.tiers["large"]))
-    assert models == (rows[0]["small_model"], rows[0]["large_model"])
+    models = {t: tier_model(settings.tiers[t]) for t in ("small", "large")}
+    assert (models["small"], models["large"]) == (rows[0]["small_model"], rows[0]["large_model"])
     todo = [items[r["id"]] for r in rows]
 
     def computed() -> int:
@@ -232,13 +233,23 @@ def test_label_run_resumes(
         assert main(["router", "label", "--out", str(out), "--per-source", str(PER_SOURCE)]) == 0
     assert "labeled 0 new items" in capsys.readouterr().out
     before = computed()
-    assert label_items(todo, small, large, out, models=models, max_tokens=MAX_TOKENS, progress=False, threads=1) == 0
+    assert (
+        label_items(
+            todo, {"small": small, "large": large}, out, models=models, max_tokens=MAX_TOKENS, progress=False, threads=1
+        )
+        == 0
+    )
     assert computed() == before and out.read_bytes() == original
 
     # Interrupted: three rows never made it and a fourth was cut off mid-write. Only those three rerun.
     kept = original.splitlines(keepends=True)[:5]
     out.write_bytes(b"".join(kept) + original.splitlines(keepends=True)[5][:30])
-    assert label_items(todo, small, large, out, models=models, max_tokens=MAX_TOKENS, progress=False, threads=1) == 3
+    assert (
+        label_items(
+            todo, {"small": small, "large": large}, out, models=models, max_tokens=MAX_TOKENS, progress=False, threads=1
+        )
+        == 3
+    )
     assert computed() > before
     again = out.read_bytes()
     assert again.startswith(b"".join(kept))
@@ -252,5 +263,39 @@ def test_label_run_resumes(
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SWITCHBOARD_CONFIG", str(config))
         assert main(["router", "label", "--out", str(out), "--per-source", str(PER_SOURCE)]) == 1
-    assert "was labeled by smollm2-135m-instruct@int8/bf16" in capsys.readouterr().err
+    assert "was labeled with small = smollm2-135m-instruct@int8/bf16" in capsys.readouterr().err
     assert out.read_bytes() == again
+
+
+def test_a_tiny_tier_added_later_completes_the_rows(
+    labeled: tuple[Path, str], items: dict[str, Item], home: Path, tmp_path: Path
+) -> None:
+    """Rows labeled with small and large gain tiny_ok: only the tiny tier answers (and, on open chat, the
+    large tier judges it against the stored large answer); the earlier verdicts stay."""
+    out = tmp_path / "labels.jsonl"
+    shutil.copy(labeled[0], out)
+    rows = {r["id"]: r for r in read_rows(out)}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SWITCHBOARD_CONFIG", str(write_config(tmp_path, home)))
+        settings = Settings()
+    engines = load_engines(settings)
+    small, large = engines["small"].engine, engines["large"].engine
+    tiny = Engine.from_dir(settings.model_dir(settings.tiers["large"]), dtype="bf16")
+    models = {t: tier_model(settings.tiers[t]) for t in ("small", "large")} | {"tiny": "smollm2-135m-instruct@test"}
+    before = small.stats().tokens_computed
+    todo = [items[i] for i in rows]
+    written = label_items(
+        todo, {"tiny": tiny, "small": small, "large": large}, out, models=models, max_tokens=MAX_TOKENS,
+        progress=False, threads=1, keep_text=True,
+    )  # fmt: skip
+    assert written == len(rows) and small.stats().tokens_computed == before  # small never ran again
+    completed = {r["id"]: r for r in read_rows(out)}  # the last row of an id wins
+    for rid, row in completed.items():
+        old, item = rows[rid], items[rid]
+        assert all(row[k] == old[k] for k in ("small_ok", "large_ok", "small_text", "large_text", "judge"))
+        assert row["tiny_model"] == "smollm2-135m-instruct@test" and isinstance(row["tiny_ok"], bool)
+        if item.source in GRADERS:
+            assert row["tiny_ok"] is GRADERS[item.source](item, row["tiny_text"])
+        elif row["tiny_text"].strip() != row["large_text"].strip():
+            assert row["tiny_ok"] is (parse_verdict(row["tiny_judge"]) is True)
+    assert label_items(todo, {"tiny": tiny, "small": small, "large": large}, out, models=models, progress=False) == 0
