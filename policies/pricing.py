@@ -9,6 +9,9 @@ Routing's saving is what the tier that served costs less than the large tier for
 whoever chose the tier (the router for `model: "auto"`, else the client). A shadow run (the router's
 online relabeling, `charge_shadow`) is routing's own overhead: an always-large gateway would never
 have run it, so its counterfactual is 0 and its price on the large tier is a negative routing saving.
+Likewise the tokens a final check asks the serving tier for (`check_prompt`, `check_completion`: a
+program of thought, a second sample) are billed at that tier's prices but are no part of the
+counterfactual: their cost is a negative verifier saving.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ class Tokens:
     policy_cut: int = 0  # completion tokens a policy cap stopped (estimated from requests cut at the cap)
     verifier_cut: int = 0  # completion tokens a verifier's early stop saved
     cache_hit: bool = False  # answered from the response cache: nothing ran
+    check_prompt: int = 0  # prompt tokens of the questions final checks asked the serving tier
+    check_completion: int = 0  # and their answers' tokens
 
 
 @dataclass(frozen=True)
@@ -72,14 +77,15 @@ def charge(policy: Policy, tier: str, t: Tokens) -> Charge:
     ) / PER_MILLION
     at_large = (t.prompt * large.prompt + t.completion * large.completion) / PER_MILLION
     at_tier = (t.prompt * p.prompt + t.completion * p.completion) / PER_MILLION
+    checks = (t.check_prompt * p.prompt + t.check_completion * p.completion) / PER_MILLION
     return Charge(
-        cost=cost,
+        cost=cost + checks,
         counterfactual=counterfactual,
         saved_routing=at_large - at_tier,
         saved_cache=t.cached_prompt * (p.prompt - p.cached) / PER_MILLION,
         saved_speculation=t.draft_accepted * (p.completion - p.drafted) / PER_MILLION,
         saved_policy=t.policy_cut * large.completion / PER_MILLION,
-        saved_verifier=t.verifier_cut * large.completion / PER_MILLION,
+        saved_verifier=t.verifier_cut * large.completion / PER_MILLION - checks,
     )
 
 

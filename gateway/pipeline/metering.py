@@ -61,6 +61,8 @@ def priced(plan: Plan, outcome: Outcome) -> tuple[Tokens, Charge]:
         policy_cut=cut,
         verifier_cut=sum(h.tokens_saved(caps) for h in plan.checks.hooks),
         cache_hit=plan.cache.answer is not None,
+        check_prompt=outcome.check_tokens[0],
+        check_completion=outcome.check_tokens[1],
     )
     price = charge(plan.caller.policy.policy, outcome.served.name, tokens)
     if outcome.status == "escalated":  # the retry's row holds the always-large counterfactual: this one only costs
@@ -82,9 +84,9 @@ def usage_record(plan: Plan, outcome: Outcome) -> tuple[UsageRecord, Tokens]:
         latency_ms=round(outcome.seconds * 1000),
         status=outcome.status,
         finish_reason="abort" if outcome.status == "aborted" else outcome.finish_reasons[0],
-        tokens=TokenCounts(
-            prompt=tokens.prompt,
-            completion=tokens.completion,
+        tokens=TokenCounts(  # a final check's questions and answers are part of what the request ran
+            prompt=tokens.prompt + tokens.check_prompt,
+            completion=tokens.completion + tokens.check_completion,
             cached_prompt=tokens.cached_prompt,
             draft_proposed=sum(o.draft_proposed for o in outcome.outputs if o),
             draft_accepted=tokens.draft_accepted,
@@ -139,13 +141,13 @@ class Meter:
 
     async def bill(self, plan: Plan, outcome: Outcome) -> None:
         """Price what ran, write its ledger row, then settle the reservation to the actual cost."""
-        rec, tokens = usage_record(plan, outcome)
+        rec, _ = usage_record(plan, outcome)
         if self.metrics is not None:
             self.metrics.record_request(rec, outcome.ttft, outcome.seconds)
         if plan.caller.policy.policy.logging.log_prompts:  # the tenant opted in to its text in our logs
             log_exchange(plan, outcome, plan.work.candidates[0].engine.tokenizer)
         await self.ledger.write(rec)  # group-committed with concurrent requests' rows
-        await self.budgets.settle(plan.reservation, rec.cost, tokens.prompt + tokens.completion)
+        await self.budgets.settle(plan.reservation, rec.cost, rec.tokens.prompt + rec.tokens.completion)
 
     async def release(self, reservation: Reservation) -> None:
         """Settle a reservation to nothing: the request never ran."""

@@ -125,6 +125,7 @@ class Outcome:
     completion_tokens: int
     seconds: float
     ttft: float | None  # seconds to the first generated text (engine runs only)
+    check_tokens: tuple[int, int] = (0, 0)  # (prompt, completion) final checks asked the serving tier for
 
     @property
     def choice_tokens(self) -> list[int]:

@@ -68,6 +68,7 @@ class _RunState:
     settled: bool = False  # metered, or its reservation given back
     outcome: Outcome | None = None  # once metered
     followed_up: bool = False  # after_response ran
+    check_tokens: tuple[int, int] = (0, 0)  # what final checks asked the serving tier for (billed)
 
 
 class Generation:
@@ -310,7 +311,10 @@ class Generation:
         await stream.aclose()
         if s.status == "ok":
             # Checks that ask the serving tier something (`Context.ask`) do so from the worker thread.
-            ask = tier_ask(s.serving.engine, salt=self.plan.work.requests[0].cache_salt)
+            def spent(prompt: int, completion: int) -> None:  # on the event loop, after each question
+                s.check_tokens = (s.check_tokens[0] + prompt, s.check_tokens[1] + completion)
+
+            ask = tier_ask(s.serving.engine, salt=self.plan.work.requests[0].cache_salt, spent=spent)
             for hook in self.plan.checks.hooks:
                 await anyio.to_thread.run_sync(hook.run_checks, ask)
             if cascade.escalates(self.plan.checks):
@@ -330,6 +334,7 @@ class Generation:
             completion_tokens=s.completion_tokens,
             seconds=time.perf_counter() - s.started,
             ttft=s.ttft,
+            check_tokens=s.check_tokens,
         )
         s.settled = True
         if self.plan.lead is not None:  # followers get the answer (or are released) before the ledger write

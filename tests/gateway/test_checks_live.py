@@ -28,7 +28,8 @@ def add(a: int, b: int) -> int:
 ```'''
 RIGHT_CODE = "```python\ndef add(a, b):\n    return a + b\n```"
 WRONG_CODE = "```python\ndef add(a, b):\n    return a - b\n```"
-MATH_PROMPT = "What is 2 + 3? Reply with the number."
+# SmolLM2-135M writes `print(2 + 3)` for this one (for "What is 2 + 3?" it wrote "# Your code here")
+MATH_PROMPT = "Compute 2 + 3 with Python's print."
 
 
 @pytest.fixture(scope="module")
@@ -113,3 +114,10 @@ def test_program_of_thought_asks_the_serving_tier_and_escalates_a_planted_wrong_
     assert right.headers["x-switchboard-tier"] == "small" and right.headers["x-switchboard-verifiers"] == "none"
     (row,) = live.wait_for_usage(right.json()["id"])
     assert row.status == "ok" and row.verifier_actions == []
+    # the program the check asked for is billed on this row at the small tier's prices, as a cost of the
+    # verifier lever, and is no part of the always-large counterfactual
+    usage = right.json()["usage"]
+    assert row.prompt_tokens > usage["prompt_tokens"] and row.completion_tokens > usage["completion_tokens"]
+    assert row.saved_verifier < 0
+    levers = row.saved_routing + row.saved_cache + row.saved_speculation + row.saved_policy + row.saved_verifier
+    assert row.counterfactual_cost - row.cost == levers

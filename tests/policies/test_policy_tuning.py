@@ -278,8 +278,13 @@ def test_a_synthetic_tenants_proposal_is_applied_audited_and_enforced(
     report = listed[0]["report"]
     chosen = next(r for r in report["rows"] if r["name"] == report["chosen"])
     assert chosen["eligible"] and chosen["delta"] >= -report["tolerance"] and report["token_reduction"] > 0
-    # Every answer counts alike, so an answer cut sooner is cheaper at no loss: a cap or a stop string wins.
-    assert {"sampling.max_tokens_cap", "sampling.default_stop"} & set(chosen["changes"])
+    # Every answer counts alike, so an answer cut sooner is cheaper at no loss: every cap and stop string
+    # is eligible, and the cheapest eligible change wins (a cap, a stop, or the concise instruction: which
+    # are tried and which is cheapest depends on the answers, so on the CPU's bf16 arithmetic: on a Zen 5 a
+    # cap won, on an Intel Xeon the instruction, with no cap or stop to try).
+    cuts = [r for r in report["rows"] if {"sampling.max_tokens_cap", "sampling.default_stop"} & set(r["changes"])]
+    assert all(r["eligible"] for r in cuts)
+    assert chosen["changes"] and chosen["cost"] == min(r["cost"] for r in report["rows"] if r["eligible"])
     png = httpx.get(live.base_url + listed[0]["plot"], headers=headers)
     assert png.status_code == 200 and png.content.startswith(b"\x89PNG")
 
