@@ -31,10 +31,11 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def test_profiles() -> None:
     s = Settings()
     assert {n: (t.model, t.weights) for n, t in s.tiers.items()} == {
+        "tiny": ("smollm2-135m-instruct", "int8"),
         "small": ("qwen2.5-coder-0.5b-instruct", "int8"),
         "large": ("qwen2.5-coder-1.5b-instruct", "int8"),
     }
-    assert all(t.kv_cache_bytes is None for t in s.tiers.values())  # both draw on the shared pool
+    assert all(t.kv_cache_bytes is None for t in s.tiers.values())  # all draw on the shared pool
     assert list(Settings(profile="tiny").tiers) == ["small"]
     with pytest.raises(ValidationError, match="draft_tier"):
         Settings(tiers={"large": {"speculative": "draft", "draft_tier": "nope"}})
