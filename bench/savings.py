@@ -183,7 +183,7 @@ def main() -> None:
     (args.out / "trace.jsonl").write_text("".join(json.dumps(asdict(r)) + "\n" for r in trace))
     say(f"trace: {json.dumps(summary(trace))}")
     router_dir = gateway.prepare_router(args.router, args.profile, home, args.out)
-    thresholds = calibrate(router_dir, trace, LARGE_SHARES)
+    thresholds = calibrate(router_dir, trace, LARGE_SHARES, home)
     say(f"router {router_dir}; thresholds {thresholds}; starting the gateway (log {args.out / 'gateway.log'})")
     gw = gateway.start_gateway(home, args.profile, router_dir, args.embedded, args.out / "gateway.log", threads)
     try:

@@ -47,7 +47,7 @@ def heldout_sweep(router_dir: Path, home: Path) -> Sweep | None:
     from policies.policy import PER_MILLION, Policy
     from router_model.curve import routing_curve
     from router_model.examples import load_examples, read_label_rows
-    from router_model.model import load_router, read_metadata
+    from router_model.model import read_metadata
     from router_model.train import heldout_examples
 
     meta = read_metadata(router_dir)
@@ -58,7 +58,7 @@ def heldout_sweep(router_dir: Path, home: Path) -> Sweep | None:
     if not examples:
         return None
     rows = {str(r["id"]): r for r in read_label_rows(labels)}
-    p = load_router(router_dir).p_small_ok([e.messages for e in examples])
+    p = served_p_small_ok(router_dir, [e.messages for e in examples], home)
     prices = Policy().prices
 
     def cost(e: Any, tier: str) -> float:
@@ -93,14 +93,32 @@ def router_figures(router_dir: Path) -> dict[str, float | None]:
     return {"apgr": held.get("apgr"), "apgr_ci_low": low(held) if low(held) is not None else low(meta)}
 
 
-def calibrate(router_dir: Path, trace: Sequence[Request], shares: dict[str, float]) -> dict[str, float]:
+def served_p_small_ok(router_dir: Path, conversations: Sequence[Any], home: Path) -> np.ndarray:
+    """P(small is good enough) as the gateway computes it: from the small tier's hidden state where the
+    router reads one (computed here on that tier, feature cache under `home`), else from the text."""
+    from core.settings import Settings
+    from gateway.tiers import load_engines
+    from router_model.hidden import FEATURES_DIR, conversation_states
+    from router_model.model import load_router
+
+    router = load_router(router_dir)
+    spec = router.hidden_spec
+    if spec is None:
+        return router.p_small_ok(list(conversations))
+    settings = Settings(home=home, profile="default")
+    small = settings.model_copy(update={"tiers": {"small": settings.tiers["small"]}})
+    engine = load_engines(small)["small"].engine  # type: ignore[attr-defined]
+    states = conversation_states(engine, list(conversations), spec, settings.home_dir / FEATURES_DIR)
+    return np.array([router.p_ok(m, s)["small"] for m, s in zip(conversations, states, strict=True)])
+
+
+def calibrate(router_dir: Path, trace: Sequence[Request], shares: dict[str, float], home: Path) -> dict[str, float]:
     """Each tenant's threshold: the one that sends its target share of the trace's distinct prompts large
     (as `switchboard router calibrate --tenant` does on a tenant's routed prompts; no labels are used)."""
     from router_model.calibrate import threshold_for_share
-    from router_model.model import load_router
 
     distinct = {r.question: r.messages for r in trace if r.kind == "original"}
-    p = load_router(router_dir).p_small_ok(list(distinct.values()))
+    p = served_p_small_ok(router_dir, list(distinct.values()), home)
     return {role: float(threshold_for_share(p, share)) for role, share in shares.items()}
 
 

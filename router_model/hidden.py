@@ -30,6 +30,7 @@ from router_model.features import Messages
 
 IN_FLIGHT = 64  # prompts per engine batch: the engine's step budget chunks them anyway
 SALT = "router-features"  # training prompts share prefixes only among themselves
+FEATURES_DIR = "router-features"  # under the settings' home: the feature cache
 
 
 def default_layer(num_layers: int) -> int:
@@ -116,3 +117,12 @@ class FeatureCache:
         keys = list(self._states)
         np.savez(tmp, keys=np.array(keys), states=np.stack([self._states[k] for k in keys]))
         tmp.replace(self.path)
+
+
+def conversation_states(
+    engine: Engine, conversations: Sequence[Messages], spec: HiddenSpec, cache_dir: Path, progress: bool = False
+) -> np.ndarray:
+    """The states `spec` names for conversations, as the gateway computes them (the client's messages
+    through the tier's chat template), from `cache_dir`'s feature cache where they are already there."""
+    cache = FeatureCache(cache_dir, spec.model, spec.layer)
+    return cache.states(engine, [prompt_ids(engine, m) for m in conversations], spec.layer, progress=progress)

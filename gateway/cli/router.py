@@ -170,16 +170,17 @@ def _hidden_states(settings: Settings, layer: int | None) -> HiddenStates | None
 
     def states(examples: Sequence[Example]) -> tuple[HiddenSpec, np.ndarray]:
         from gateway.tiers import load_engines
-        from router_model.hidden import FeatureCache, HiddenSpec, default_layer, prompt_ids
+        from router_model.hidden import FEATURES_DIR, HiddenSpec, conversation_states, default_layer
         from router_model.label import tier_model
 
         engine = load_engines(settings.model_copy(update={"tiers": {"small": tier}}))["small"].engine  # type: ignore[attr-defined]
         cfg = engine.model.config
         chosen = default_layer(cfg.num_hidden_layers) if layer is None else layer
         spec = HiddenSpec("small", tier_model(tier), chosen, cfg.hidden_size)
-        cache = FeatureCache(settings.home_dir / "router-features", spec.model, chosen)
-        prompts = [prompt_ids(engine, e.messages) for e in examples]
-        return spec, cache.states(engine, prompts, chosen, progress=True)
+        states = conversation_states(
+            engine, [e.messages for e in examples], spec, settings.home_dir / FEATURES_DIR, True
+        )
+        return spec, states
 
     return states
 
