@@ -90,6 +90,8 @@ def curve_data(db: Database, routing: RoutingStage, home: Path, tenant_id: int) 
         why = exc.args[0] if exc.args else exc
         return f"this tenant has {len(stored)} routed prompts stored (fewer than {MIN_TENANT_PROMPTS}) and {why}"
     source = f"the router's {len(p)} held-out labeled prompts (this tenant has {len(stored)} routed prompts stored)"
+    if router.hidden_spec is not None:  # the console has no small-tier prefill of them: the fallback scores
+        source += "; scored by the router's text classifier, its fallback, not by the small tier's hidden state"
     return CurveData(p, small, large, True, source, router.id)
 
 
