@@ -275,7 +275,8 @@ def test_split_is_seeded_and_stratified_by_source(tmp_path: Path) -> None:
 def test_cli_train_calibrate_eval(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     labels = write_label_file(synthetic_examples(160, seed=6), tmp_path / "labels.jsonl")
     directory = tmp_path / "router"
-    assert main(["router", "train", "--labels", str(labels), "--router", str(directory), "--folds", "2"]) == 0
+    train = ["router", "train", "--labels", str(labels), "--router", str(directory), "--folds", "2", "--no-hidden"]
+    assert main(train) == 0
     out = capsys.readouterr().out
     assert "<- kept" in out and "router " in out and str(directory) in out
     meta = read_metadata(directory)

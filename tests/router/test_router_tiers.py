@@ -133,3 +133,30 @@ def test_bootstrap_interval_holds_the_estimate_and_a_router_minus_itself_is_zero
     lo, hi = bootstrap_apgr(p, held, rounds=300)
     assert lo < point < hi and hi - lo < 0.5
     assert bootstrap_apgr(p, held, rounds=100, minus=p) == (0.0, 0.0)
+
+
+def test_cli_train_with_the_small_tiers_hidden_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], smollm2_dir: Path
+) -> None:
+    """`router train` computes the states on the small tier (SmolLM2 here), caches them, and a second run
+    reads them from the cache; the printout has both intervals."""
+    from gateway.cli import main
+    from router_model.hidden import FEATURES_DIR
+    from router_model.model import read_metadata
+    from router_model.synthetic import write_label_file
+
+    monkeypatch.setenv("SWITCHBOARD_HOME", str(smollm2_dir.parents[1]))  # the fetched models' home
+    monkeypatch.setenv("SWITCHBOARD_PROFILE", "tiny")  # small = SmolLM2-135M, bf16
+    labels = write_label_file(synthetic_examples(120, seed=8), tmp_path / "labels.jsonl")
+    args = ["router", "train", "--labels", str(labels), "--folds", "2", "--hidden-layer", "20"]
+    assert main([*args, "--router", str(tmp_path / "r1")]) == 0
+    out = capsys.readouterr().out
+    assert "held-out APGR" in out and "text only" in out and "paired gain CI" in out
+    assert "hidden_logistic" in out  # the hidden-state candidates competed
+    meta = read_metadata(tmp_path / "r1")
+    assert meta["apgr_ci"][0] <= meta["heldout_eval"]["apgr"] <= meta["apgr_ci"][1]
+    caches = list((smollm2_dir.parents[1] / FEATURES_DIR).glob("hidden-*.npz"))
+    assert caches
+    before = {c: c.stat().st_mtime_ns for c in caches}
+    assert main([*args, "--router", str(tmp_path / "r2")]) == 0  # every state cached: nothing recomputed
+    assert {c: c.stat().st_mtime_ns for c in caches} == before
