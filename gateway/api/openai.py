@@ -121,6 +121,7 @@ async def _respond(
         headers[ROUTE_P_HEADER] = f"{plan.route.p_small_ok:.3f}"
         predicted = ",".join(f"{tier}={p:.3f}" for tier, p in sorted(plan.route.p_ok.items()))
         headers[ROUTE_HEADER] = f"{predicted}; {plan.route.features}"
+        headers["x-switchboard-route-ms"] = f"{plan.route.seconds * 1000:.1f}"
     watch = partial(until_disconnect, request)
     try:
         if body.stream:

@@ -142,6 +142,7 @@ def test_auto_picks_the_cheapest_tier_whose_predicted_success_meets_the_floor(
         r = gateway.chat(key, str(content))
         p_ok, features = parse(r)
         assert features == "hidden" and set(p_ok) == {"tiny", SMALL}
+        assert float(r.headers["x-switchboard-route-ms"]) > 0
         assert r.headers["x-switchboard-tier"] == cheapest_tier(p_ok, threshold, ["tiny", SMALL, LARGE])
         # the gateway's prediction is the router's on the state the engine computes for this prompt
         ids = small_engine.tokenizer.encode_chat([{"role": "user", "content": str(content)}])
