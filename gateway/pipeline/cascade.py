@@ -7,8 +7,8 @@ tier, and the retry's answer goes out.
     escalates  after the run: the final checks ran and one of them failed
     complete   a non-streamed request run to its end, and its retry if it escalated. The retry is a
                request of its own (its own reservation and ledger row; not routed and not escalated
-               again); the first attempt's row holds only its cost. If the larger tier refuses (budget,
-               rate limit, down) or fails, the first answer stands.
+               again); the first attempt's row holds only its cost (a negative verifier saving). If the
+               larger tier refuses (budget, rate limit, down) or fails, the first answer stands.
 """
 
 from __future__ import annotations

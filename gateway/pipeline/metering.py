@@ -65,8 +65,10 @@ def priced(plan: Plan, outcome: Outcome) -> tuple[Tokens, Charge]:
         check_completion=outcome.check_tokens[1],
     )
     price = charge(plan.caller.policy.policy, outcome.served.name, tokens)
-    if outcome.status == "escalated":  # the retry's row holds the always-large counterfactual: this one only costs
-        price = Charge(cost=price.cost, counterfactual=Decimal(0))
+    if outcome.status == "escalated":
+        # The retry's row holds the always-large counterfactual: this one only costs, and what it cost is the
+        # cascade's own overhead, a negative verifier saving (counterfactual − cost = the levers, still).
+        price = Charge(cost=price.cost, counterfactual=Decimal(0), saved_verifier=-price.cost)
     return tokens, price
 
 

@@ -72,7 +72,10 @@ def test_a_failed_answer_is_retried_on_the_large_tier_and_both_are_billed(live: 
     (first,) = live.wait_for_usage(first_id)
     (second,) = live.wait_for_usage(r.json()["id"])
     assert (first.tier, first.status, second.tier, second.status) == ("small", "escalated", "large", "ok")
-    assert first.cost > 0 and first.counterfactual_cost == Decimal(0)  # it only cost
+    assert first.cost > 0 and first.counterfactual_cost == Decimal(0)  # it only cost: the cascade's overhead
+    levers = ("saved_routing", "saved_cache", "saved_speculation", "saved_policy", "saved_verifier")
+    for row in (first, second):
+        assert row.counterfactual_cost - row.cost == sum(getattr(row, k) for k in levers)
     assert second.cost > 0 and second.counterfactual_cost >= second.cost
     assert first.verifier_actions[0]["action"] == "escalate" and r.json()["usage"] == {
         "prompt_tokens": second.prompt_tokens,
