@@ -151,7 +151,7 @@ class RoutingStage:
         if not tiers:
             raise APIError(
                 403,
-                "Your tenant's policy allows neither the small nor the large tier, which `auto` routes between.",
+                "Your tenant's policy allows none of the tiers `auto` routes between (tiny, small and large).",
                 code="model_not_allowed",
                 param="model",
             )
