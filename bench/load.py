@@ -335,6 +335,55 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def launch_serve(
+    code: str,
+    env: dict[str, str],
+    cwd: str,
+    port: int,
+    log: Path,
+    cleanups: list[Callable[[], None]],
+    *,
+    stop_signal: int = signal.SIGTERM,
+    ready_s: float = 300,
+    poll_s: float = 0.25,
+) -> tuple[subprocess.Popen[bytes], str, Callable[[], None]]:
+    """Run `switchboard serve` (`code`: a `python -c` program) in `cwd` with `env`, its output in `log`, and
+    wait until its /healthz on `port` answers 200: (the process, its URL, a stop that ends it with
+    `stop_signal` and then runs `cleanups` in reverse). If it exits or is not healthy within `ready_s`, it is
+    stopped and RuntimeError names the log."""
+    out = log.open("w")
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
+
+    def stop() -> None:
+        proc.send_signal(stop_signal)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        out.close()
+        for fn in reversed(cleanups):
+            try:
+                fn()
+            except Exception as exc:  # cleanup is best effort
+                say(f"cleanup: {type(exc).__name__}: {exc}")
+
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + ready_s
+    while True:
+        if proc.poll() is not None:
+            stop()
+            raise RuntimeError(f"the gateway exited ({proc.returncode}); see {log}")
+        try:
+            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                return proc, url, stop
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            stop()
+            raise RuntimeError(f"the gateway did not become healthy; see {log}")
+        time.sleep(poll_s)
+
+
 def start_gateway(home: Path, sqlite: bool, log: Path, cprofile: Path | None = None) -> Gateway:
     from core.db.database import Database
     from gateway.tenants import create_tenant
@@ -393,39 +442,9 @@ def start_gateway(home: Path, sqlite: bool, log: Path, cprofile: Path | None = N
             "import cProfile; from gateway.cli import main; prof = cProfile.Profile(); prof.enable()\n"
             f"try:\n    main(['serve'])\nfinally:\n    prof.disable(); prof.dump_stats({str(cprofile)!r})"
         )
-    cmd = [sys.executable, "-c", serve]
-    out = log.open("w")
-    proc = subprocess.Popen(cmd, env=env, cwd=tmp.name, stdout=out, stderr=subprocess.STDOUT)
-
-    def stop() -> None:
-        # uvicorn re-raises the signal it stopped on: SIGINT lets the profiling wrapper's `finally` run
-        proc.send_signal(signal.SIGINT if cprofile else signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        out.close()
-        for fn in reversed(cleanups):
-            try:
-                fn()
-            except Exception as exc:  # cleanup is best effort
-                say(f"cleanup: {type(exc).__name__}: {exc}")
-
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        if proc.poll() is not None:
-            stop()
-            raise RuntimeError(f"the gateway exited ({proc.returncode}); see {log}")
-        try:
-            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            stop()
-            raise RuntimeError(f"the gateway did not become healthy; see {log}")
-        time.sleep(0.25)
+    # uvicorn re-raises the signal it stopped on: SIGINT lets the profiling wrapper's `finally` run
+    stop_signal = signal.SIGINT if cprofile is not None else signal.SIGTERM
+    proc, url, stop = launch_serve(serve, env, tmp.name, port, log, cleanups, stop_signal=stop_signal, ready_s=300)
     return Gateway(url, issued.key, proc.pid, stop)
 
 

@@ -15,8 +15,6 @@ import json
 import os
 import re
 import secrets
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,16 +28,13 @@ from typing import Any
 import httpx
 
 from bench import from_tests
+from bench.load import launch_serve, say
 from bench.savings_trace import Request
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL = "smollm2-135m-instruct"
 ROLES = ("saver", "balanced", "quality")
 LARGE_SHARES = {"saver": 0.1, "balanced": 0.3, "quality": 0.6}  # each tenant's router calibration target
-
-
-def say(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 # --- the router ----------------------------------------------------------------------------------------
@@ -200,38 +195,9 @@ def start_gateway(home: Path, profile: str, router_dir: Path, embedded: bool, lo
         "SWITCHBOARD_DATABASE_URL": db_url, "SWITCHBOARD_PORT": str(port), "SWITCHBOARD_LOG_LEVEL": "warning",
         "SWITCHBOARD_ROUTER_DIR": str(router_dir), "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT),
     }  # fmt: skip
-    out = log.open("w")
     serve = "import sys; from gateway.cli import main; sys.exit(main(['serve']))"
-    proc = subprocess.Popen([sys.executable, "-c", serve], env=env, cwd=tmp.name, stdout=out, stderr=subprocess.STDOUT)
-
-    def stop() -> None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        out.close()
-        for fn in reversed(cleanups):
-            try:
-                fn()
-            except Exception as exc:  # cleanup is best effort
-                say(f"cleanup: {type(exc).__name__}: {exc}")
-
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 900
-    while True:
-        if proc.poll() is not None:
-            stop()
-            raise RuntimeError(f"the gateway exited ({proc.returncode}); see {log}")
-        try:
-            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
-                return Served(url, db_url, log, stop)
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            stop()
-            raise RuntimeError(f"the gateway did not become healthy; see {log}")
-        time.sleep(0.5)
+    _, url, stop = launch_serve(serve, env, tmp.name, port, log, cleanups, ready_s=900, poll_s=0.5)
+    return Served(url, db_url, log, stop)
 
 
 def offers_auto(url: str, key: str) -> bool:
