@@ -97,7 +97,7 @@ def served_p_small_ok(router_dir: Path, conversations: Sequence[Any], home: Path
     """P(small is good enough) as the gateway computes it: from the small tier's hidden state where the
     router reads one (computed here on that tier, feature cache under `home`), else from the text."""
     from core.settings import Settings
-    from gateway.tiers import load_engines
+    from gateway.tiers import load_tier_engine
     from router_model.hidden import FEATURES_DIR, conversation_states
     from router_model.model import load_router
 
@@ -106,8 +106,7 @@ def served_p_small_ok(router_dir: Path, conversations: Sequence[Any], home: Path
     if spec is None:
         return router.p_small_ok(list(conversations))
     settings = Settings(home=home, profile="default")
-    small = settings.model_copy(update={"tiers": {"small": settings.tiers["small"]}})
-    engine = load_engines(small)["small"].engine  # type: ignore[attr-defined]
+    engine = load_tier_engine(settings, "small")
     states = conversation_states(engine, list(conversations), spec, settings.home_dir / FEATURES_DIR)
     return np.array([router.p_ok(m, s)["small"] for m, s in zip(conversations, states, strict=True)])
 

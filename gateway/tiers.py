@@ -77,6 +77,15 @@ def load_engines(settings: Settings) -> dict[str, TierEngine]:
     return {name: tiers[name] for name in settings.tiers}
 
 
+def load_tier_engine(settings: Settings, name: str) -> Engine:
+    """One local tier's engine, loaded alone and not started (its thread is the caller's): for offline work
+    on that tier, such as computing the router's hidden-state features."""
+    engine = load_engines(settings.model_copy(update={"tiers": {name: settings.tiers[name]}}))[name]
+    if not isinstance(engine, AsyncEngine):
+        raise ValueError(f"tier {name!r} is remote: it runs no engine here")
+    return engine.engine
+
+
 def load_remote(settings: Settings, name: str, tier: TierSettings) -> RemoteEngine:
     """A tier another server generates for: its tokenizer and context length from `model`, calls to `url`."""
     assert tier.url is not None

@@ -169,11 +169,11 @@ def _hidden_states(settings: Settings, layer: int | None) -> HiddenStates | None
         return None
 
     def states(examples: Sequence[Example]) -> tuple[HiddenSpec, np.ndarray]:
-        from gateway.tiers import load_engines
+        from gateway.tiers import load_tier_engine
         from router_model.hidden import FEATURES_DIR, HiddenSpec, conversation_states, default_layer
         from router_model.label import tier_model
 
-        engine = load_engines(settings.model_copy(update={"tiers": {"small": tier}}))["small"].engine  # type: ignore[attr-defined]
+        engine = load_tier_engine(settings, "small")
         cfg = engine.model.config
         chosen = default_layer(cfg.num_hidden_layers) if layer is None else layer
         spec = HiddenSpec("small", tier_model(tier), chosen, cfg.hidden_size)
