@@ -40,6 +40,7 @@ def activation_absmax(model: torch.nn.Module, ids: list[int]) -> dict[str, torch
     from engines.layers.linear import Linear, _mkldnn_bf16
 
     cfg = model.config
+    ids = ids[: cfg.max_position_embeddings]  # the rotary table ends there (a short-context model)
     blocks = -(-len(ids) // 16)
     cache = PagedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, blocks, 16, model.dtype)
     cache.buffer.zero_()

@@ -287,3 +287,17 @@ def test_tier_weights_setting() -> None:
     assert settings.model_dir(settings.tiers["small"]).name == "smollm2-135m-instruct-int4"
     with pytest.raises(ValueError):
         TierSettings(weights="int2")
+
+
+def test_a_model_shorter_than_the_calibration_text_quantizes_on_load(tmp_path: Path) -> None:
+    """The calibration pass stops at the model's last position (the tiny models hold 256; the shipped text
+    is longer): it once indexed past the rotary table (found on the first GPU run, tests/test_gpu.py)."""
+    from engines.checkpoints.quant_state import calibration_ids
+    from engines.tokenizer import Tokenizer
+
+    model_dir = tiny_hf_model("llama", tmp_path)
+    assert len(calibration_ids(Tokenizer(model_dir))) > 256
+    for fmt in ("int8", "int4"):
+        engine = Engine.from_dir(model_dir, weights=fmt, config=EngineConfig(kv_cache_bytes=1 << 22))
+        assert engine.model.weights_format == fmt
+        assert generate(engine, [[5, 6, 7]])[0]
