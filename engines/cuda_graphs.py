@@ -14,6 +14,7 @@ bucket, contexts longer than the tables were sized for, and models whose forward
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 
 import torch
@@ -103,20 +104,23 @@ class DecodeGraphs:
         rows = bucket_for(n, self.buckets)
         if self.disabled or rows is None or (self.replay and rows not in self.graphs):
             return None
-        if any(len(t) > self.max_blocks for t in block_tables):
-            return None
-        scratch = self.scratch_block
-        table_rows = [t + [scratch] * (self.max_blocks - len(t)) for t in block_tables]
-        table_rows += [[scratch] * self.max_blocks] * (rows - n)
         pad = rows - n
+        # The rows' tables back to back (row_table: where each starts), padding rows on the scratch block:
+        # padding every row to the longest context the buffers allow (2,048 blocks at 32k tokens) built a
+        # 131k-int list per step at batch 64, ~10 ms of a 23 ms step on an H200.
+        scratch = self.scratch_block
+        flat = [b for t in block_tables for b in t] + [scratch] * pad
+        if len(flat) > self.tables.numel():
+            return None
+        starts = [0, *itertools.accumulate(len(t) for t in block_tables)]
+        starts = starts[:n] + list(range(starts[n], starts[n] + pad))
         self.ids[:rows].copy_(torch.tensor(input_ids + [0] * pad), non_blocking=True)
         self.positions[:rows].copy_(torch.tensor(positions + [0] * pad), non_blocking=True)
         self.slots[:rows].copy_(torch.tensor(slots + [scratch * self.block_size] * pad), non_blocking=True)
         lens = [p + 1 for p in positions] + [1] * pad
         self.row_len[:rows].copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
-        self.tables[: rows * self.max_blocks].copy_(
-            torch.tensor(table_rows, dtype=torch.int32).view(-1), non_blocking=True
-        )
+        self.tables[: len(flat)].copy_(torch.tensor(flat, dtype=torch.int32), non_blocking=True)
+        self.row_table[:rows].copy_(torch.tensor(starts, dtype=torch.int32), non_blocking=True)
         self.steps += 1
         if not self.replay:
             return self.forward(rows)[:n]

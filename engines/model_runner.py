@@ -67,9 +67,10 @@ class ModelRunner:
         self.vocab, self.head = ids, restricted_head(self.model, ids)
 
     @torch.inference_mode()
-    def forward(self, chunks: list[Chunk]) -> torch.Tensor:
-        """One forward over every chunk; float32 logits (Σ num_logits, vocab), in chunk order. The hidden
-        states chunks ask for (`Chunk.hidden_layer`) are in `self.hidden` until the next forward."""
+    def forward(self, chunks: list[Chunk], on_device: bool = False) -> torch.Tensor:
+        """One forward over every chunk; float32 logits (Σ num_logits, vocab), in chunk order, on the CPU
+        (`on_device`: left where the model runs). The hidden states chunks ask for (`Chunk.hidden_layer`)
+        are in `self.hidden` until the next forward."""
         self.hidden = {}
         if self.graphs is not None and all(len(c.token_ids) == 1 and c.num_logits == 1 for c in chunks):
             bs = self.cache.block_size
@@ -78,7 +79,7 @@ class ModelRunner:
                 [c.token_ids[0] for c in chunks], [c.num_computed for c in chunks], [c.block_ids for c in chunks], slots
             )
             if hidden is not None:
-                return self._logits(hidden, len(chunks))
+                return self._logits(hidden, len(chunks), on_device)
         # Decodes first, shortest context first, so attention pads each group of them the least.
         order = sorted(
             range(len(chunks)),
@@ -111,7 +112,7 @@ class ModelRunner:
         if not rows:
             return torch.empty(0, self.model.config.vocab_size)
         pad = len(rows) == 1 and self.pad_lone
-        return self._logits(hidden[rows * 2 if pad else rows], len(rows))  # the lm_head: never one row
+        return self._logits(hidden[rows * 2 if pad else rows], len(rows), on_device)  # the lm_head: never one row
 
     @staticmethod
     def _taps(chunks: list[Chunk], order: list[int]) -> tuple[HiddenTaps | None, dict[int, tuple[int, int]]]:
@@ -126,12 +127,14 @@ class ModelRunner:
                 where[i] = (layer, len(rows[layer]) - 1)
         return (HiddenTaps(rows) if rows else None), where
 
-    def _logits(self, hidden: torch.Tensor, n: int) -> torch.Tensor:
-        """Float32 logits of the first `n` rows of `hidden`, on the CPU (where the sampler runs)."""
+    def _logits(self, hidden: torch.Tensor, n: int, on_device: bool = False) -> torch.Tensor:
+        """Float32 logits of the first `n` rows of `hidden`, on the CPU (where the sampler runs) unless
+        `on_device`."""
+        device = hidden.device if on_device else torch.device("cpu")
         if self.head is None:
-            return self.model.compute_logits(hidden)[:n].cpu()
-        logits = torch.full((n, self.model.config.vocab_size), float("-inf"))
-        logits[:, self.vocab] = self.head(hidden)[:n].float().cpu()
+            return self.model.compute_logits(hidden)[:n].to(device)
+        logits = torch.full((n, self.model.config.vocab_size), float("-inf"), device=device)
+        logits[:, self.vocab] = self.head(hidden)[:n].float().to(device)
         return logits
 
 

@@ -58,6 +58,11 @@ class SamplingState:
         self.generator = torch.Generator().manual_seed(seed)
 
 
+def plain_greedy(p: SamplingParams) -> bool:
+    """Whether a row's token is its logits' argmax, nothing else applied (no penalties)."""
+    return p.greedy and not (p.presence_penalty or p.frequency_penalty)
+
+
 CANDIDATES = 512  # top-p looks for its nucleus among this many most likely tokens first (vocabularies: 150k)
 
 
