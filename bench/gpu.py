@@ -1,13 +1,19 @@
 """Decode and prefill throughput per tier on a CUDA device, with and without CUDA graphs and Triton kernels.
 
     OMP_NUM_THREADS=4 .venv/bin/python -m bench.gpu [--batches 1 16 64] [--decode-tokens 128]
+    OMP_NUM_THREADS=4 python -m bench.gpu --shape-dir DIR [DIR ...] --weights bf16 int8 [--configs ...]
 
 Per in-process tier (its checkpoint as configured, loaded onto the GPU) and configuration — `torch`
 (the torch reference backend, eager), `triton` (Triton kernels, eager) and `triton+graphs` (Triton
 kernels, decode steps replayed from CUDA graphs) — it times decode steps of `batch` sequences (prompts of
 32 tokens, `--decode-tokens` greedy tokens each, prefill excluded) and the prefill of 8 prompts of 512
-tokens; median of 3 runs. The table, then one JSON line per tier. On a machine without CUDA it says so
-and exits 0: the kernels are proven on the CPU by the interpreter tests instead (tests/engines/kernels/test_triton_*).
+tokens; median of 3 runs. The table, then one JSON line per tier and weight format.
+
+`--shape-dir` measures models given as directories holding only a `config.json` and the tokenizer (a GPU
+machine that cannot fetch the registry's weights): each gets random bf16 weights of its shape on the GPU.
+Speed does not depend on the weights' values (every run ignores EOS and generates its full length), so
+these are the real architectures' speeds. On a machine without CUDA it says so and exits 0: the kernels
+are proven on the CPU by the interpreter tests instead (tests/engines/kernels/test_triton_*).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import replace
+from pathlib import Path
 
 from bench.common import say
 
@@ -28,59 +34,91 @@ def main() -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--shape-dir", type=Path, nargs="+", help="config.json + tokenizer only: random weights")
+    ap.add_argument("--weights", nargs="+", choices=["bf16", "int8", "int4"], help="default: each tier's own")
+    ap.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
+    ap.add_argument("--runs", type=int, default=3, help="the median of this many runs per number")
     args = ap.parse_args()
     import torch
 
     if not torch.cuda.is_available():
         print("bench/gpu.py: no CUDA device on this machine; nothing to measure (see tests/test_triton_*)")
         return 0
-    from core.settings import Settings
-
-    settings = Settings()
+    say(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     rows = []
-    for name, tier in settings.tiers.items():
-        if tier.is_remote:
-            continue
-        result: dict[str, object] = {"tier": name, "model": tier.model, "weights": tier.weights}
-        for config in CONFIGS:
-            engine = load(settings, tier, config)
-            for batch in args.batches:
-                result[f"{config}_decode_b{batch}"] = round(median(lambda e=engine, b=batch: decode(e, b, args)), 1)
-            result[f"{config}_prefill"] = round(median(lambda e=engine: prefill(e)), 1)
-            say(f"{name} {config}: done")
-            del engine
-            torch.cuda.empty_cache()
-        rows.append(result)
+    for name, model_dir, weights in models(args):
+        for fmt in args.weights or [weights]:
+            result: dict[str, object] = {"tier": name, "weights": fmt, "device": torch.cuda.get_device_name()}
+            for config in args.configs:
+                started = time.perf_counter()
+                engine = load(model_dir, fmt, config)
+                result[f"{config}_load_s"] = round(time.perf_counter() - started, 1)
+                for batch in args.batches:
+                    tok_s = median(lambda e=engine, b=batch: decode(e, b, args), args.runs)
+                    result[f"{config}_decode_b{batch}"] = round(tok_s, 1)
+                result[f"{config}_prefill"] = round(median(lambda e=engine: prefill(e), args.runs), 1)
+                say(f"{name} {fmt} {config}: {json.dumps(result)}")
+                del engine
+                torch.cuda.empty_cache()
+            rows.append(result)
     keys = [k for k in rows[0] if k.endswith(("_prefill", *(f"_b{b}" for b in args.batches)))] if rows else []
     print("| tier | " + " | ".join(keys) + " |\n|---|" + "---:|" * len(keys))
     for r in rows:
-        print(f"| {r['tier']} | " + " | ".join(str(r[k]) for k in keys) + " |")
+        print(f"| {r['tier']} {r['weights']} | " + " | ".join(str(r[k]) for k in keys) + " |")
     for r in rows:
         print(json.dumps(r))
     return 0
 
 
-def load(settings: object, tier: object, config: str) -> object:
-    from engines.engine import Engine
+def models(args: argparse.Namespace) -> list[tuple[str, Path, str]]:
+    """(name, directory, weight format) per model to measure: the given shapes, else the in-process tiers."""
+    if args.shape_dir:
+        return [(d.name, random_weights(d), "bf16") for d in args.shape_dir]
+    from core.settings import Settings
+
+    settings = Settings()
+    # A registry tier's directory holds its quantized checkpoint already: served as stored ("bf16" here
+    # means "no quantizing on load"), as gateway.tiers loads it.
+    return [(n, settings.model_dir(t), "bf16") for n, t in settings.tiers.items() if not t.is_remote]
+
+
+def random_weights(shape_dir: Path) -> Path:
+    """A copy of `shape_dir` (config.json, tokenizer) with random bf16 weights of its shape, built on the GPU."""
+    import shutil
+    import tempfile
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = Path(tempfile.mkdtemp(prefix=f"{shape_dir.name}-"))
+    for f in shape_dir.iterdir():
+        if f.is_file() and not f.name.endswith((".safetensors", ".bin")):
+            shutil.copy(f, out / f.name)
+    config = AutoConfig.from_pretrained(shape_dir)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+def load(model_dir: Path, weights: str, config: str) -> object:
+    from engines.engine import Engine, EngineConfig
     from engines.kernels.backends import TorchBackend, use
-    from gateway.tiers import engine_config
 
     use("cuda", TorchBackend() if config == "torch" else None)  # before loading: linear layers pick kernels then
     try:
-        cfg = replace(engine_config(tier), cuda_graphs=config.endswith("graphs"))  # type: ignore[arg-type]
+        cfg = EngineConfig(kv_cache_bytes=8 << 30, max_num_seqs=128, cuda_graphs=config.endswith("graphs"))
         return Engine.from_dir(
-            settings.model_dir(tier),
-            dtype=tier.dtype,
-            config=cfg,
-            name=tier.model,
-            device="cuda",  # type: ignore[attr-defined]
+            model_dir, dtype="bf16", config=cfg, weights=None if weights == "bf16" else weights, device="cuda"
         )
     finally:
         use("cuda", None)
 
 
-def median(run: object) -> float:
-    return statistics.median(run() for _ in range(3))  # type: ignore[operator]
+def median(run: object, runs: int) -> float:
+    return statistics.median(run() for _ in range(runs))  # type: ignore[operator]
 
 
 def decode(engine: object, batch: int, args: argparse.Namespace) -> float:

@@ -58,3 +58,104 @@ def test_quantized_weights_on_the_gpu_use_the_triton_matmuls(tiny_dir: Path, wei
     kernels = [m.kernel for m in engine.model.modules() if isinstance(m, Linear) and m.kernel is not None]
     assert kernels and all(isinstance(k, BackendKernel) for k in kernels)
     assert all(answers(engine))
+
+
+# bf16 is what the tiers serve on a GPU, and the one dtype the interpreter tests cannot run (they skip it):
+# here every op's compiled kernel meets the torch reference at bf16 too, at the real models' widths.
+OP_TOLERANCE = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}  # relative to max |ref|
+
+
+def close(ours: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    err = (ours.float() - ref.float()).abs().max().item()
+    scale = ref.float().abs().max().item()
+    assert err <= OP_TOLERANCE[dtype] * scale, f"{what}: max error {err:.3g} against max |ref| {scale:.3g}"
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+def test_each_triton_op_meets_the_torch_reference_on_the_gpu(dtype: torch.dtype) -> None:
+    from engines.kernels.backends import TorchBackend, TritonBackend
+    from engines.kernels.quantize import quantize_int4, quantize_int8
+
+    ours, ref = TritonBackend(), TorchBackend()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device="cuda", generator=gen).to(dtype)
+
+    for rows in (1, 7, 300):  # a decode row, a ragged batch, a prefill chunk; Qwen2.5-0.5B's widths
+        x, residual, weight = rand(rows, 896), rand(rows, 896), rand(896)
+        expected, expected_sum = ref.add_rms_norm(x, weight, 1e-6, residual.clone())
+        got, got_sum = ours.add_rms_norm(x, weight, 1e-6, residual.clone())
+        close(got, expected, dtype, f"add_rms_norm rows={rows}")
+        close(got_sum, expected_sum, dtype, f"add_rms_norm residual rows={rows}")
+        gate_up = rand(rows, 2 * 4864)
+        close(ours.silu_mul(gate_up, 4864), ref.silu_mul(gate_up, 4864), dtype, f"silu_mul rows={rows}")
+        w = torch.randn(1152, 896, device="cuda", generator=gen)
+        for qw in (quantize_int8(w), quantize_int4(w, 32)):
+            kernel = ours.weight_kernel(qw, dtype)
+            assert kernel is not None
+            expected = x.float() @ qw.dequantize().T
+            close(kernel(x, None), expected, dtype, f"{qw.format} matmul rows={rows}")
+
+
+@cuda
+@pytest.mark.parametrize("arch", ["llama", "qwen2_moe"])
+def test_bf16_hidden_states_on_the_triton_kernels_meet_the_torch_backend(arch: str, tmp_path: Path) -> None:
+    """A prefill in bf16 on CUDA through every Triton kernel (attention over a chunked prompt, RoPE, norms,
+    the fused MoE) ends in the torch backend's hidden state, within bf16's rounding."""
+    from engines.kernels.backends import TorchBackend, use
+
+    model_dir = tiny_hf_model(arch, tmp_path, hidden_size=256, intermediate_size=512, num_hidden_layers=4)
+    prompt = [1 + (i * 37) % 300 for i in range(200)]  # two 128-token chunks below
+    config = EngineConfig(kv_cache_bytes=1 << 24, max_num_batched_tokens=128)
+
+    def final_hidden(engine: Engine) -> torch.Tensor:
+        request = EngineRequest("h", prompt, SamplingParams(max_tokens=1), hidden_layer=4)
+        (out,) = [o for o in _run(engine, request) if o.hidden is not None]
+        return out.hidden
+
+    triton_engine = Engine.from_dir(model_dir, dtype="bf16", config=config, device="cuda")
+    assert type(triton_engine.runner.backend).__name__ == "TritonPagedAttention"
+    ours = final_hidden(triton_engine)
+    use("cuda", TorchBackend())
+    try:
+        reference = final_hidden(Engine.from_dir(model_dir, dtype="bf16", config=config, device="cuda"))
+    finally:
+        use("cuda", None)
+    cosine = torch.nn.functional.cosine_similarity(ours.float(), reference.float(), dim=0).item()
+    assert cosine > 0.999, cosine
+    close(ours, reference, torch.bfloat16, "final hidden state")
+
+
+def _run(engine: Engine, request: EngineRequest) -> list:
+    engine.add_request(request)
+    outs = []
+    while engine.has_unfinished():
+        outs.extend(engine.step())
+    return outs
+
+
+@cuda
+def test_greedy_steps_take_the_argmax_on_the_gpu_and_others_sample_on_the_cpu(tiny_dir: Path) -> None:
+    """Plain greedy steps move only the chosen ids off the GPU; a step holding a penalized row moves the
+    logits and samples on the CPU. Both give the CPU engine's tokens, with graphs on."""
+
+    def run(engine: Engine, penalized: bool) -> list[list[int]]:
+        params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True) for _ in range(3)]
+        if penalized:
+            params[1] = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, frequency_penalty=1.5)
+        for i, p in enumerate(params):
+            engine.add_request(EngineRequest(f"g{i}", [3 + i, 40, 41, 42 + i], p))
+        tokens: dict[str, list[int]] = {f"g{i}": [] for i in range(3)}
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+        return [tokens[f"g{i}"] for i in range(3)]
+
+    config = EngineConfig(kv_cache_bytes=1 << 22, block_size=16)
+    cpu = Engine.from_dir(tiny_dir, dtype="fp32", config=config)
+    gpu = Engine.from_dir(tiny_dir, dtype="fp32", config=config, device="cuda")
+    for penalized in (False, True):
+        assert run(gpu, penalized) == run(cpu, penalized)
+    assert gpu.runner.graphs is not None and gpu.runner.graphs.steps > 0
