@@ -121,7 +121,9 @@ def train_router(
     held_p = best.heldout_p
     threshold = threshold_for_share(held_p, large_share)
     uses_hidden = best is not text
-    tiers = _cheaper_tiers(train, x_train, hidden.train if uses_hidden and hidden else None, text.name, best.name, seed)
+    tiers = _cheaper_tiers(
+        train, x_train, hidden.train if uses_hidden and hidden else None, text.name, best.name, seed, folds
+    )
     metadata = {
         "feature_version": FEATURE_VERSION,
         "cheap_features": list(CHEAP_FEATURES),
@@ -190,7 +192,7 @@ MIN_TIER_LABELS = 50  # rows with a tier's verdict, of each class, before P(that
 
 def _cheaper_tiers(
     train: Sequence[Example], x_text: np.ndarray, x_hidden: np.ndarray | None, text_name: str, hidden_name: str,
-    seed: int,
+    seed: int, folds: int = 5,
 ) -> dict[str, tuple[object, object | None, dict]]:  # fmt: skip
     """P(tiny_ok) where the labels say enough about it: (text model, hidden model or None, what it learned
     from). The same classifiers the small tier's prediction chose, fitted to the rows with `tiny_ok`."""
@@ -201,11 +203,13 @@ def _cheaper_tiers(
     sources = [e.source for e, r in zip(train, rows, strict=True) if r]
     info = {"n": len(t), "ok_rate": round(float(t.mean()), 4)}
     text = _fit(text_name, x_text[rows], t, seed)
-    info["cv_auc_text"] = _json_number(_auc(_out_of_fold(text_name, x_text[rows], t, sources, seed, 5), t))
+    info["cv_auc_text"] = _json_number(_auc(_out_of_fold(text_name, x_text[rows], t, sources, seed, folds), t))
     hidden = None
     if x_hidden is not None:
         hidden = _fit(hidden_name, x_hidden[rows], t, seed)
-        info["cv_auc_hidden"] = _json_number(_auc(_out_of_fold(hidden_name, x_hidden[rows], t, sources, seed, 5), t))
+        info["cv_auc_hidden"] = _json_number(
+            _auc(_out_of_fold(hidden_name, x_hidden[rows], t, sources, seed, folds), t)
+        )
     return {"tiny": (text, hidden, info)}
 
 
