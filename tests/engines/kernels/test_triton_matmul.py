@@ -20,7 +20,8 @@ TOLERANCE = {  # (rtol, atol): fp32 sums in another order; fp16 rounds x·w's in
 BF16_SKIP = pytest.param(
     torch.bfloat16,
     marks=pytest.mark.skip(
-        reason="the interpreter's tl.dot multiplies bf16's raw uint16 storage (numpy has no bf16); runs on a GPU"
+        reason="the interpreter's tl.dot multiplies bf16's raw uint16 storage (numpy has no bf16); "
+        "tests/test_gpu.py checks bf16 compiled on a GPU"
     ),
 )
 DTYPES = [torch.float32, torch.float16, BF16_SKIP]
