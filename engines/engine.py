@@ -380,4 +380,14 @@ class Engine:
             KVMemory(self.config.block_size, self.cache.nbytes, total, used),
             speculative=self.speculator.stats.as_dict() if self.speculator else {},
             kv_tier=self.kv_tier.stats.as_dict() if self.kv_tier else {},
+            kernels=self.kernels,
         )
+
+    @functools.cached_property
+    def kernels(self) -> str:
+        """Whose kernels run this engine's model (`EngineStats.kernels`)."""
+        if self.model.device.type != "cpu":
+            return backend_for(self.model.device).name
+        from engines.kernels import cpu_kernels
+
+        return cpu_kernels.variant() or "torch"

@@ -163,12 +163,15 @@ class EngineStats:
     memory: KVMemory
     speculative: dict[str, float | int]  # proposed, accepted, acceptance rate, mean accepted length
     kv_tier: dict[str, float | int] = field(default_factory=dict)  # kv_tier_*: blocks, bytes, errors (if on)
+    # Whose kernels run the model: "triton" (CUDA), a native CPU build ("avx2", "avx512-vnni") or "torch".
+    kernels: str = ""
 
     def as_dict(self) -> dict[str, Any]:
-        """Every group's fields in order, then `speculative` and `kv_tier` both as they are and spread out."""
+        """Every group's fields in order, then `speculative` and `kv_tier` both as they are and spread out,
+        then `kernels`."""
         flat = {k: v for g in (self.queue, self.blocks, self.work, self.memory) for k, v in asdict(g).items()}
         spec, tier = dict(self.speculative), dict(self.kv_tier)
-        return flat | {"speculative": spec, "kv_tier": tier} | spec | tier
+        return flat | {"speculative": spec, "kv_tier": tier} | spec | tier | {"kernels": self.kernels}
 
 
 def _flat_name(group: str, name: str) -> property:

@@ -2,6 +2,12 @@
 (`quant_gemm.cpp`, wrapped here) and fused decoder ops (`cpu_ops.cpp`, wrapped in `engines.kernels.cpu_ops`),
 built on first use with the system's C++ compiler and loaded with ctypes.
 
+Two builds of the same sources, picked once at load from the CPU's flags: `avx2` (vpmaddubsw +
+vpmaddwd for the integer dot products) and `avx512-vnni` (one vpdpbusd for the same sum of four byte
+products: the int32 results are identical, since neither path can saturate with our activation codes).
+`SWITCHBOARD_CPU_KERNELS=avx2` forces the AVX2 build on an AVX-512 machine (tests run both); `variant()`
+names the one in use.
+
 Why our own: torch's int4 kernel dequantizes to float and is compute-bound (14 G weights/s on two AVX2
 cores, 35 on AVX-512), its weight-only int8 kernel streams ~18 GB/s, and fbgemm's int8 GEMM saturates
 without VNNI; decode wants the memory's 32-40 GB/s. These kernels quantize each token's activations
@@ -45,6 +51,15 @@ FLAGS = [
     "-shared",
     "-fPIC",
 ]
+VARIANTS: dict[str, list[str]] = {
+    "avx2": [],
+    # 256-bit vpdpbusd needs VNNI and VL; BW for the byte ops the compiler may pick at 512 bits.
+    "avx512-vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],
+}
+CPU_FLAGS_FOR = {
+    "avx2": {"avx2", "fma", "f16c"},
+    "avx512-vnni": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"},
+}
 GROUP = 32
 # int8 weights: activations share a scale per 256 inputs, so the integer dot product runs 8 groups
 # between float steps (with 7-bit activations, as fast as fbgemm's int8 GEMM at 16 rows; see
@@ -60,37 +75,79 @@ def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
-def _build(cxx: str) -> Path:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo names them (empty where there is no such file)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def supported(variant: str) -> bool:
+    """Whether this CPU runs `variant`'s build."""
+    return CPU_FLAGS_FOR[variant] <= cpu_flags()
+
+
+def chosen_variant() -> str:
+    """`SWITCHBOARD_CPU_KERNELS` (auto, avx2 or avx512-vnni); auto: the widest build this CPU runs."""
+    wanted = os.environ.get("SWITCHBOARD_CPU_KERNELS", "auto")
+    if wanted != "auto":
+        if wanted not in VARIANTS:
+            raise ValueError(f"SWITCHBOARD_CPU_KERNELS={wanted!r}: one of auto, {', '.join(VARIANTS)}")
+        return wanted
+    return "avx512-vnni" if supported("avx512-vnni") else "avx2"
+
+
+def _build(cxx: str, variant: str = "avx2") -> Path:
+    flags = [*FLAGS, *VARIANTS[variant]]
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
-    digest = hashlib.sha256(" ".join([*FLAGS, version]).encode())
+    digest = hashlib.sha256(" ".join([*flags, version]).encode())
     for source in SOURCES:
         digest.update(source.read_bytes())
     home = Path(os.environ.get("SWITCHBOARD_HOME", "~/.cache/switchboard")).expanduser()
-    target = home / "kernels" / f"switchboard-cpu-{digest.hexdigest()[:16]}.so"
+    target = home / "kernels" / f"switchboard-cpu-{variant}-{digest.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            cmd = [cxx, *FLAGS, "-o", str(built), *map(str, SOURCES)]
+            cmd = [cxx, *flags, "-o", str(built), *map(str, SOURCES)]
             subprocess.run(cmd, capture_output=True, text=True, check=True)
             built.replace(target)  # atomic: concurrent builders each install a complete file
     return target
 
 
-@functools.cache
 def library() -> ctypes.CDLL | None:
-    """The loaded kernels, or None where they cannot run here (the reason is logged once)."""
+    """The loaded kernels (the build `chosen_variant` names), or None where they cannot run here."""
+    return build_of(chosen_variant())
+
+
+def variant() -> str | None:
+    """The build the kernels run (`avx2` or `avx512-vnni`); None where the native kernels are off."""
+    lib = library()
+    return None if lib is None else {1: "avx2", 2: "avx512-vnni"}[lib.sb_variant()]
+
+
+@functools.cache
+def build_of(variant: str) -> ctypes.CDLL | None:
+    """`variant`'s build, loaded, or None where it cannot run here (the reason is logged once)."""
     if os.environ.get("SWITCHBOARD_NATIVE_KERNELS", "1") == "0":
         return None
     if not _cpu_has_avx2():
         log.info("native kernels off: the CPU has no AVX2")
         return None
+    if not supported(variant) and cpu_flags():
+        log.warning("native kernels: this CPU cannot run the %s build; using avx2", variant)
+        variant = "avx2"
     cxx = _compiler()
     if cxx is None:
         log.warning("native kernels off: no C++ compiler (g++) found; using torch's slower quantized kernels")
         return None
     try:
-        path = _build(cxx)
+        path = _build(cxx, variant)
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
         log.warning("native kernels off: building them failed: %s", detail.strip()[-2000:])
@@ -102,6 +159,7 @@ def library() -> ctypes.CDLL | None:
     lib.sb_quantize_acts.argtypes = [p, i, i, i, i, i, p, p, p]
     for f in (lib.sb_int4_linear, lib.sb_int8_linear, lib.sb_quantize_acts):
         f.restype = None
+    lib.sb_variant.restype = ctypes.c_int
     lib.sb_int4_bytes.argtypes = [i, i]
     lib.sb_int4_bytes.restype = ctypes.c_size_t
     f, long = ctypes.c_float, ctypes.c_long

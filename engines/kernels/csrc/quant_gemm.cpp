@@ -66,6 +66,19 @@ inline __m256 lane(__m256 v, int j) { return _mm256_permutevar8x32_ps(v, _mm256_
 
 inline __m256i sum_pairs(__m256i p16) { return _mm256_madd_epi16(p16, _mm256_set1_epi16(1)); }
 
+// acc + the sums of four unsigned × signed byte products per int32 lane. VNNI does it in one vpdpbusd;
+// AVX2 in vpmaddubsw (pairs into int16) + vpmaddwd. The same int32s: our codes never saturate the int16
+// pairs (int4: 15·127·2; int8: 127·127·2 < 32,767, see int8_block).
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define SB_VARIANT 2
+inline __m256i dot_add(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#else
+#define SB_VARIANT 1
+inline __m256i dot_add(__m256i acc, __m256i u, __m256i s) {
+    return _mm256_add_epi32(acc, sum_pairs(_mm256_maddubs_epi16(u, s)));
+}
+#endif
+
 // Quantized activations: per row, int8 codes with one scale d per group of `ag` values (32 for int4
 // weights, whose own scales change every 32 inputs anyway; more for int8 weights, so the integer dot
 // product runs longer between float steps), and per group d·Σcodes (s). With the quantized sum, an int4
@@ -209,12 +222,12 @@ void int4_block(const uint8_t* blk, int groups, const Acts& a, int m, float out[
                 const int8_t* x = xq + static_cast<size_t>(g0 + 2 * j) * G;
                 const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
                 const __m256i lo = _mm256_and_si256(wv, low4);
-                const __m256i p0 = sum_pairs(_mm256_maddubs_epi16(lo, x0));
+                const __m256i p0 = dot_add(_mm256_setzero_si256(), lo, x0);
                 acc_r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), lane(f, 2 * j), acc_r);
                 if (g0 + 2 * j + 1 < groups) {  // else the pair's second half is padding
                     const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + G));
                     const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), low4);
-                    const __m256i p1 = sum_pairs(_mm256_maddubs_epi16(hi, x1));
+                    const __m256i p1 = dot_add(_mm256_setzero_si256(), hi, x1);
                     acc_r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), lane(f, 2 * j + 1), acc_r);
                 }
             }
@@ -237,7 +250,6 @@ void int4_block(const uint8_t* blk, int groups, const Acts& a, int m, float out[
 template <int MB>
 void int8_block(const int8_t* blk, const int8_t* outlier_w, const float* offset_w, const Acts& a, int m0,
                 float out[MT][ROWS]) {
-    const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[ROWS][MB];
     for (int r = 0; r < ROWS; ++r)
         for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
@@ -261,7 +273,7 @@ void int8_block(const int8_t* blk, const int8_t* outlier_w, const float* offset_
             for (int r = 0; r < ROWS; ++r) {
                 const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + r * G));
                 for (int m = 0; m < MB; ++m)
-                    dot[r][m] = _mm256_add_epi32(dot[r][m], _mm256_madd_epi16(_mm256_maddubs_epi16(x[m], wv), ones));
+                    dot[r][m] = dot_add(dot[r][m], x[m], wv);
             }
         }
         for (int m = 0; m < MB; ++m) {
@@ -321,6 +333,8 @@ void gemm(int M, int N, const float* row_scale, const float* bias, void* out, in
 extern "C" {
 
 int sb_version() { return 4; }
+
+int sb_variant() { return SB_VARIANT; }  // 1: avx2, 2: avx512-vnni
 
 size_t sb_int4_bytes(int N, int K) { return static_cast<size_t>((N + ROWS - 1) / ROWS) * int4_block_bytes(K / G); }
 

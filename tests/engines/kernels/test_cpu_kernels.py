@@ -164,10 +164,10 @@ def test_no_compiler_means_no_native_kernels(monkeypatch: pytest.MonkeyPatch, ca
     with monkeypatch.context() as m:
         m.setattr(shutil, "which", lambda _: None)
         m.delenv("CXX", raising=False)
-        ck.library.cache_clear()
+        ck.build_of.cache_clear()
         try:
             assert ck.library() is None
         finally:
-            ck.library.cache_clear()
+            ck.build_of.cache_clear()
     assert "no C++ compiler" in caplog.text  # said once, in the log, instead of failing to serve
     assert ck.available()
