@@ -46,12 +46,12 @@ def main() -> int:
         return 0
     say(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     rows = []
-    for name, model_dir, weights in models(args):
+    for name, model_dir, dtype, weights in models(args):
         for fmt in args.weights or [weights]:
             result: dict[str, object] = {"tier": name, "weights": fmt, "device": torch.cuda.get_device_name()}
             for config in args.configs:
                 started = time.perf_counter()
-                engine = load(model_dir, fmt, config)
+                engine = load(model_dir, dtype, fmt, config)
                 result[f"{config}_load_s"] = round(time.perf_counter() - started, 1)
                 for batch in args.batches:
                     tok_s = median(lambda e=engine, b=batch: decode(e, b, args), args.runs)
@@ -70,16 +70,15 @@ def main() -> int:
     return 0
 
 
-def models(args: argparse.Namespace) -> list[tuple[str, Path, str]]:
-    """(name, directory, weight format) per model to measure: the given shapes, else the in-process tiers."""
+def models(args: argparse.Namespace) -> list[tuple[str, Path, str, str]]:
+    """(name, directory, dtype, weight format) per model to measure: the given shapes, else the in-process
+    tiers (a registry tier's directory holds its quantized checkpoint, which loads when the formats match)."""
     if args.shape_dir:
-        return [(d.name, random_weights(d), "bf16") for d in args.shape_dir]
+        return [(d.name, random_weights(d), "bf16", "bf16") for d in args.shape_dir]
     from core.settings import Settings
 
     settings = Settings()
-    # A registry tier's directory holds its quantized checkpoint already: served as stored ("bf16" here
-    # means "no quantizing on load"), as gateway.tiers loads it.
-    return [(n, settings.model_dir(t), "bf16") for n, t in settings.tiers.items() if not t.is_remote]
+    return [(n, settings.model_dir(t), t.dtype, t.weights) for n, t in settings.tiers.items() if not t.is_remote]
 
 
 def random_weights(shape_dir: Path) -> Path:
@@ -103,7 +102,7 @@ def random_weights(shape_dir: Path) -> Path:
     return out
 
 
-def load(model_dir: Path, weights: str, config: str) -> object:
+def load(model_dir: Path, dtype: str, weights: str, config: str) -> object:
     from engines.engine import Engine, EngineConfig
     from engines.kernels.backends import TorchBackend, use
 
@@ -111,7 +110,7 @@ def load(model_dir: Path, weights: str, config: str) -> object:
     try:
         cfg = EngineConfig(kv_cache_bytes=8 << 30, max_num_seqs=128, cuda_graphs=config.endswith("graphs"))
         return Engine.from_dir(
-            model_dir, dtype="bf16", config=cfg, weights=None if weights == "bf16" else weights, device="cuda"
+            model_dir, dtype=dtype, config=cfg, weights=None if weights == "bf16" else weights, device="cuda"
         )
     finally:
         use("cuda", None)

@@ -6,7 +6,8 @@ A decode step of n sequences runs the graph of the smallest bucket >= n. The ste
 positions, KV slots and block tables are copied into the static buffers; padding rows attend to one
 position of a scratch block that no sequence owns and write their keys there, so they touch nothing real.
 What a graph cannot replay falls back to the eager forward: prefill chunks, batches above the largest
-bucket, contexts longer than the tables were sized for, and models whose forward syncs with the host
+bucket, batches whose block tables together outgrow the table buffer (the largest bucket × the
+longest context's blocks), and models whose forward syncs with the host
 (quantized MoE experts, which loop over experts by count). The attention backend must read everything from
 `AttentionMetadata.rows` (the Triton backend does); the output head runs outside the graph.
 """
@@ -47,7 +48,7 @@ class DecodeGraphs:
         """`replay=False` runs the same forward over the same static buffers eagerly, without capturing:
         the buffers' bookkeeping (padding rows, scratch block, tables) checked on the CPU."""
         self.model, self.backend, self.buckets, self.replay = model, backend, buckets, replay
-        self.block_size, self.max_blocks = block_size, max_blocks_per_seq
+        self.block_size = block_size
         device, rows = model.device, max(buckets)
         self.ids = torch.zeros(rows, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows, dtype=torch.long, device=device)
