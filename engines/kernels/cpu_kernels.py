@@ -235,10 +235,14 @@ class Int4Weights:
         return self.packed.numel()
 
 
+SLAB = 16  # int8 weight rows per slab in the kernels' layout
+
+
 class Int8Weights:
-    """A per-row int8 weight in the kernel's layout: blocks of 4 rows, the rows' 32 codes of each group
-    side by side; one fp32 scale per row (w = q·scale). Calibrated weights also keep their outlier input
-    channels' codes in fp32 (the kernel adds those products outside the int8 dot product)."""
+    """A per-row int8 weight in the kernel's layout (see quant_gemm.cpp): slabs of 16 rows, each per 4
+    inputs the 16 rows' 4 codes side by side (64 bytes: one zmm); one fp32 scale per row (w = q·scale).
+    Calibrated weights also keep their outlier input channels' codes in fp32 (the kernel adds those
+    products outside the int8 dot product)."""
 
     def __init__(self, qw: QuantizedWeight, act_group: int = INT8_ACT_GROUP) -> None:
         n, k = qw.shape
@@ -246,16 +250,18 @@ class Int8Weights:
             raise ValueError(f"the native int8 kernel takes per-row int8 weights with K a multiple of {GROUP}")
         if act_group % GROUP or not GROUP <= act_group <= 256:
             raise ValueError(f"activation groups are a multiple of {GROUP} up to 256, not {act_group}")
-        rows = -(-n // ROWS) * ROWS
-        q = _pad_rows(qw.q, rows).view(rows // ROWS, ROWS, k // GROUP, GROUP).transpose(1, 2)
+        rows = -(-n // SLAB) * SLAB
+        q = _pad_rows(qw.q, rows).view(rows // SLAB, SLAB, k // 4, 4).transpose(1, 2)
         self.packed = q.contiguous().view(-1)
         self.scales = _pad_rows(qw.scales.float(), rows).contiguous()
         self.act_group = act_group
-        # 64 × each row's sum of codes per activation group (groups padded to 8): the kernel's
-        # activations are stored with +64, and this takes the offset back out.
+        # −64 × each row's sum of codes per activation group, (slabs, groups, 16): the kernel's
+        # activations are stored with +64, and its accumulators start here to take that back out.
         groups = -(-k // act_group)
-        sums = torch.nn.functional.pad(qw.q.float(), (0, groups * act_group - k)).view(n, groups, act_group).sum(-1)
-        self.offset_w = _pad_rows(torch.nn.functional.pad(64 * sums, (0, -groups % 8)), rows).contiguous()
+        sums = torch.nn.functional.pad(qw.q.to(torch.int32), (0, groups * act_group - k))
+        sums = sums.view(n, groups, act_group).sum(-1, dtype=torch.int32)
+        neg = _pad_rows(-64 * sums, rows).view(rows // SLAB, SLAB, groups).transpose(1, 2)
+        self.neg_offset = neg.contiguous().to(torch.int32)
         self.outliers = None if qw.outliers is None else qw.outliers.to(torch.int32).contiguous()
         # The outlier columns' codes (the kernel multiplies every row by its scale last).
         self.outlier_w = None
@@ -268,7 +274,7 @@ class Int8Weights:
     @property
     def nbytes(self) -> int:
         extra = 0 if self.outlier_w is None else self.outlier_w.numel()
-        return self.packed.numel() + 4 * (self.scales.numel() + self.offset_w.numel()) + extra
+        return self.packed.numel() + 4 * (self.scales.numel() + self.neg_offset.numel()) + extra
 
 
 def _gemm_operands(
@@ -302,7 +308,7 @@ def int8_linear(
     (m, k), n = xc.shape, w.shape[0]
     n_out = 0 if w.outliers is None else w.outliers.numel()
     lib.sb_int8_linear(
-        xc.data_ptr(), bf16, m, k, n, w.packed.data_ptr(), w.scales.data_ptr(), w.offset_w.data_ptr(), w.act_group,
+        xc.data_ptr(), bf16, m, k, n, w.packed.data_ptr(), w.scales.data_ptr(), w.neg_offset.data_ptr(), w.act_group,
         _ptr(w.outliers), n_out, _ptr(w.outlier_w), _ptr(b), out.data_ptr(), int(out.dtype == torch.bfloat16),
     )  # fmt: skip
     return out

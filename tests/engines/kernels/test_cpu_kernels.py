@@ -155,8 +155,8 @@ def test_broken_layouts_fail_the_check() -> None:
     assert rel(ck.int4_linear(x, ck.Int4Weights(swapped), out_dtype=torch.float32), ref) > 0.5
     q8 = quantize_int8(w)
     ref8 = emulate_acts(x, ck.INT8_ACT_GROUP, bits=7) @ q8.dequantize().T
-    rows = ck.Int8Weights(q8)
-    rows.packed = rows.packed.view(n // 4, -1, 4, 32).flip(2).contiguous().view(-1)
+    rows = ck.Int8Weights(q8)  # the 16 rows of each slab in reverse
+    rows.packed = rows.packed.view(n // ck.SLAB, -1, ck.SLAB, 4).flip(2).contiguous().view(-1)
     assert rel(ck.int8_linear(x, rows, out_dtype=torch.float32), ref8) > 0.5
 
 

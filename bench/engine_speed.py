@@ -1,0 +1,249 @@
+"""Engine speed on this CPU against llama.cpp on the same GGUF, and our int8 GEMM against torch._int_mm.
+
+    OMP_NUM_THREADS=2 .venv/bin/python -m bench.engine_speed [--repeats 3] [--spec]
+
+One process, the same threads, every system interleaved run by run (medians of --repeats):
+  gemm     Qwen 1.5B's four projection shapes (qkv 1536→2048, o 1536→1536, gate+up 1536→17920,
+           down 8960→1536) at M = 16, 64 and 512 rows: our int8 GEMM as the engine calls it (bf16 in,
+           activations quantized, scales and bf16 out included) against `torch._int_mm` on int8
+           operands already made (the bound: no quantization, no scaling). GOP/s = 2·M·N·K / s, all
+           four shapes together. Also our AVX2 build on an AVX-512 machine, to show what VNNI adds.
+  prefill  Qwen 1.5B, one 512-token prompt (held-out text) to its first token: our int8 and bf16
+           tiers against llama.cpp on the registry's Q4_K_M GGUF (n_batch 512).
+  decode   greedy, EOS ignored, after every prompt's prefill (bench.quant.decode_tok_s): Qwen 1.5B
+           at batch 1 and 16, SmolLM2-135M at batch 1, our bf16, int8 and int4 formats against
+           llama.cpp (one context, N sequence ids: bench.llamacpp_batched).
+  --spec   runs `bench.spec_decode --skip-levers` (a subprocess, after the rest) for spec_speedup_b1.
+The ratios take our fastest format at each point and name it. The header names the CPU, its flags
+and the kernel build (`SWITCHBOARD_CPU_KERNELS`). Last line: one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from bench.common import mtbench_questions, say
+from bench.quant import decode_tok_s, variants
+from engines.checkpoints.fetch import assemble_gguf, registry_model
+from engines.engine import Engine
+from engines.kernels import cpu_kernels
+from engines.kernels.quantize import quantize_int8
+from engines.request import EngineRequest
+from engines.sampling import SamplingParams
+from grading.datasets import heldout_text
+
+QWEN15, SMOL = "qwen2.5-coder-1.5b-instruct", "smollm2-135m-instruct"
+SHAPES = [(1536, 2048), (1536, 1536), (1536, 17920), (8960, 1536)]  # (K, N) of Qwen 1.5B's projections
+FLAGS = ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_int8")
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_gemm(repeats: int) -> dict:
+    """GOP/s at each M: ours (the build in use), ours on the AVX2 build (where another is in use), torch._int_mm."""
+    torch.manual_seed(0)
+    layers = []
+    for k, n in SHAPES:
+        qw = quantize_int8(torch.randn(n, k) * 0.05)
+        layers.append((cpu_kernels.Int8Weights(qw), qw.q.T))  # (K, N) view: _int_mm's weight operand
+    out: dict = {}
+    for m in (16, 64, 512):
+        xs = [torch.randn(m, k, dtype=torch.bfloat16) for k, _ in SHAPES]
+        xq = [torch.randint(-63, 64, (m, k), dtype=torch.int8) for k, _ in SHAPES]
+        ops = sum(2 * m * n * k for k, n in SHAPES)
+
+        def ours(xs: list[torch.Tensor] = xs) -> None:
+            for x, (w, _) in zip(xs, layers, strict=True):
+                cpu_kernels.int8_linear(x, w)
+
+        def int_mm(xq: list[torch.Tensor] = xq) -> None:
+            for x, (_, wt) in zip(xq, layers, strict=True):
+                torch._int_mm(x, wt)
+
+        def avx2(xs: list[torch.Tensor] = xs) -> None:
+            forced = os.environ.get("SWITCHBOARD_CPU_KERNELS")
+            os.environ["SWITCHBOARD_CPU_KERNELS"] = "avx2"
+            try:
+                ours(xs)
+            finally:
+                if forced is None:
+                    del os.environ["SWITCHBOARD_CPU_KERNELS"]
+                else:
+                    os.environ["SWITCHBOARD_CPU_KERNELS"] = forced
+
+        runs: dict[str, list[float]] = {"ours": [], "avx2 build": [], "_int_mm": []}
+        for _ in range(repeats):  # interleaved
+            runs["ours"].append(median_seconds(ours, 3))
+            if cpu_kernels.variant() != "avx2":
+                runs["avx2 build"].append(median_seconds(avx2, 3))
+            runs["_int_mm"].append(median_seconds(int_mm, 3))
+        out[m] = {name: ops / statistics.median(ts) / 1e9 for name, ts in runs.items() if ts}
+        say(f"  gemm M={m}: " + ", ".join(f"{k} {v:,.0f} GOP/s" for k, v in out[m].items()))
+    return out
+
+
+def time_to_first_token(engine: Engine, prompt: list[int]) -> float:
+    engine.add_request(EngineRequest(f"p{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=1, temperature=0.0)))
+    t0 = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    return time.perf_counter() - t0
+
+
+def bench_model(name: str, home: Path, args: argparse.Namespace, threads: int, *, prefill: bool) -> dict:
+    from bench.llamacpp_batched import llamacpp_batched_decode
+
+    dirs = variants(name, home)
+    gguf = assemble_gguf(registry_model(name), home / "gguf", progress=False)
+    engines = {v: Engine.from_dir(d) for v, d in dirs.items()}
+    tok = engines["bf16"].tokenizer
+    prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in mtbench_questions(home)[:16]]
+    for e in engines.values():
+        decode_tok_s(e, prompts[:2], 4)  # warm-up: kernels, first-use KV blocks
+    out: dict = {}
+    batches = (1, 16) if name == QWEN15 else (1,)
+    for b in batches:
+        runs: dict[str, list[float]] = {v: [] for v in [*engines, "llama.cpp"]}
+        for r in range(args.repeats):
+            for v, e in engines.items():
+                runs[v].append(decode_tok_s(e, prompts[:b], args.tokens))
+            if not args.skip_llamacpp:
+                runs["llama.cpp"].append(
+                    llamacpp_batched_decode(gguf, prompts[:b], args.tokens, threads)["decode_tok_s"]
+                )
+            say(
+                f"  {name} decode batch {b} run {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in runs.items() if v)
+            )
+        out[f"decode_b{b}"] = {v: statistics.median(xs) for v, xs in runs.items() if xs}
+    if prefill:
+        text_ids = tok.encode(heldout_text(home, progress=False))
+        prompt = text_ids[: args.prefill_tokens]
+        timed = {v: engines[v] for v in ("int8", "bf16", "int4")}
+        runs = {v: [] for v in [*timed, "llama.cpp"]}
+        for r in range(args.repeats):
+            for v, e in timed.items():
+                runs[v].append(len(prompt) / time_to_first_token(e, prompt))
+            if not args.skip_llamacpp:
+                res = llamacpp_batched_decode(gguf, [prompt], 2, threads)
+                runs["llama.cpp"].append(len(prompt) / res["prefill_s"])
+            say(
+                f"  {name} prefill {len(prompt)} run {r + 1}: "
+                + ", ".join(f"{k} {v[-1]:.0f}" for k, v in runs.items() if v)
+            )
+        out["prefill"] = {v: statistics.median(xs) for v, xs in runs.items() if xs}
+    return out
+
+
+def best(point: dict) -> tuple[str, float, float | None]:
+    """(our fastest format, its rate, its ratio to llama.cpp)."""
+    name, rate = max(((k, v) for k, v in point.items() if k != "llama.cpp"), key=lambda kv: kv[1])
+    llama = point.get("llama.cpp")
+    return name, rate, round(rate / llama, 2) if llama else None
+
+
+def run_spec(args: argparse.Namespace) -> dict | None:
+    say("spec: python -m bench.spec_decode --skip-levers")
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.spec_decode", "--skip-levers"], capture_output=True, text=True, check=False
+    )
+    print(proc.stdout[-3000:])
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    return json.loads(lines[-1]) if lines else None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.engine_speed", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--tokens", type=int, default=32, help="new tokens per sequence in the decode runs")
+    p.add_argument("--prefill-tokens", type=int, default=512)
+    p.add_argument("--skip-llamacpp", action="store_true")
+    p.add_argument("--skip-models", action="store_true", help="the GEMM table only")
+    p.add_argument("--spec", action="store_true", help="also run bench.spec_decode --skip-levers (long)")
+    args = p.parse_args()
+    home = Path(os.environ.get("SWITCHBOARD_HOME", "~/.cache/switchboard")).expanduser()
+    threads = torch.get_num_threads()
+    flags = sorted(f for f in FLAGS if f in cpu_kernels.cpu_flags())
+    say(f"{cpu_name()}, {threads} threads, flags {' '.join(flags)}, kernels {cpu_kernels.variant()}")
+
+    gemm = bench_gemm(args.repeats)
+    models = {}
+    if not args.skip_models:
+        models[QWEN15] = bench_model(QWEN15, home, args, threads, prefill=True)
+        models[SMOL] = bench_model(SMOL, home, args, threads, prefill=False)
+    spec = run_spec(args) if args.spec else None
+
+    print(f"\n{cpu_name()}, OMP_NUM_THREADS={threads}, kernels {cpu_kernels.variant()}, flags {' '.join(flags)}")
+    head = f"{'M':>4} {'ours':>8} {'avx2 build':>11} {'_int_mm':>8} {'ours/_int_mm':>13}"
+    print(f"int8 GEMM on Qwen 1.5B's shapes, GOP/s: {head}")
+    for m, r in gemm.items():
+        avx2 = f"{r['avx2 build']:>11,.0f}" if "avx2 build" in r else f"{'-':>11}"
+        print(f"{'':40}{m:>4} {r['ours']:>8,.0f} {avx2} {r['_int_mm']:>8,.0f} {r['ours'] / r['_int_mm']:>12.2f}x")
+    for name, res in models.items():
+        for point, rates in res.items():
+            row = ", ".join(f"{k} {v:,.1f}" for k, v in rates.items())
+            print(f"{name} {point} tok/s: {row}")
+    summary: dict = {
+        "cpu": cpu_name(),
+        "threads": threads,
+        "kernels": cpu_kernels.variant(),
+        "flags": flags,
+        "gemm_gops": {m: {k: round(v) for k, v in r.items()} for m, r in gemm.items()},
+        "gemm_vs_int_mm_m16": round(gemm[16]["ours"] / gemm[16]["_int_mm"], 2),
+        "gemm_vs_int_mm_m64": round(gemm[64]["ours"] / gemm[64]["_int_mm"], 2),
+        "gemm_vs_int_mm_m512": round(gemm[512]["ours"] / gemm[512]["_int_mm"], 2),
+    }
+    if models:
+        q, s = models[QWEN15], models[SMOL]
+        for key, point in (
+            ("prefill_vs_llamacpp", q["prefill"]),
+            ("b1_vs_llamacpp_qwen15", q["decode_b1"]),
+            ("b16_vs_llamacpp_qwen15", q["decode_b16"]),
+            ("b1_vs_llamacpp_smollm2", s["decode_b1"]),
+        ):
+            fmt, _, ratio = best(point)
+            summary[key] = ratio
+            summary[f"{key}_format"] = fmt
+        summary["prefill_int8_vs_llamacpp"] = (
+            round(q["prefill"]["int8"] / q["prefill"]["llama.cpp"], 2) if ("llama.cpp" in q["prefill"]) else None
+        )
+        summary["tok_s"] = {
+            n: {p: {k: round(v, 1) for k, v in r.items()} for p, r in res.items()} for n, res in models.items()
+        }
+    if spec is not None:
+        summary["spec_speedup_b1"] = spec.get("speedup_draft_b1")
+        summary["spec"] = spec
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
