@@ -145,10 +145,11 @@ def bench_model(name: str, home: Path, args: argparse.Namespace, threads: int, *
         out[f"decode_b{b}"] = {v: statistics.median(xs) for v, xs in runs.items() if xs}
     if prefill:
         text_ids = tok.encode(heldout_text(home, progress=False))
-        prompt = text_ids[: args.prefill_tokens]
         timed = {v: engines[v] for v in ("int8", "bf16", "int4")}
         runs = {v: [] for v in [*timed, "llama.cpp"]}
         for r in range(args.repeats):
+            # A new window of the text each run: a repeated prompt would be a prefix-cache hit.
+            prompt = text_ids[r * args.prefill_tokens : (r + 1) * args.prefill_tokens]
             for v, e in timed.items():
                 runs[v].append(len(prompt) / time_to_first_token(e, prompt))
             if not args.skip_llamacpp:

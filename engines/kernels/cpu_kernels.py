@@ -263,12 +263,11 @@ class Int8Weights:
         neg = _pad_rows(-64 * sums, rows).view(rows // SLAB, SLAB, groups).transpose(1, 2)
         self.neg_offset = neg.contiguous().to(torch.int32)
         self.outliers = None if qw.outliers is None else qw.outliers.to(torch.int32).contiguous()
-        # The outlier columns' codes (the kernel multiplies every row by its scale last).
+        # The outlier columns' codes, one row per channel, (n_out, rows): the kernel takes each channel's
+        # products for 16 weight rows at once (and multiplies every row by its scale last).
         self.outlier_w = None
         if qw.outliers is not None:
-            columns = qw.q[:, qw.outliers]
-            columns = torch.nn.functional.pad(columns, (0, -columns.shape[1] % 8))  # the kernel reads 8 at a time
-            self.outlier_w = _pad_rows(columns, rows).contiguous()
+            self.outlier_w = _pad_rows(qw.q[:, qw.outliers], rows).T.contiguous()
         self.shape = (n, k)
 
     @property

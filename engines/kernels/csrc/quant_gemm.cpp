@@ -199,17 +199,6 @@ inline void store(void* out, int out_bf16, size_t i, float v) {
         static_cast<float*>(out)[i] = v;
 }
 
-// Activation row m's outlier channels (fp32) against one weight row's codes for them, in one fixed order.
-inline float outlier_dot(const Acts& a, int m, const int8_t* codes) {
-    const float* sd = a.side + static_cast<size_t>(m) * a.side_stride;
-    __m256 acc = _mm256_setzero_ps();
-    for (int j = 0; j < a.side_stride; j += 8) {
-        const __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + j));
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(sd + j), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), acc);
-    }
-    return hsum(acc);
-}
-
 size_t int4_block_bytes(int groups) {
     const int full = groups / 8, rest = groups % 8;
     return static_cast<size_t>(ROWS) * (full * 160 + (rest ? 32 + 32 * ((rest + 1) / 2) : 0));
@@ -273,7 +262,8 @@ void int4_block(const uint8_t* blk, int groups, const Acts& a, int m, float out[
 //
 // The rule every int8 output follows, whatever the batch and tile: each activation group's exact
 // integer sum Σ w·c takes one fused multiply-add with the group's scale, groups in order, from 0;
-// then the outlier channels' fp32 sum (outlier_dot) is added, then the row scale and bias. So an
+// then each outlier channel's fp32 product takes one fused multiply-add, channels in order, then
+// the row scale and bias. So an
 // output's bits do not depend on how many rows its batch has, nor on the build (AVX2 or VNNI).
 constexpr int SLAB = 16;  // weight rows per slab
 
@@ -300,6 +290,15 @@ inline VI vdot(VI acc, VI u, VI s) {
 inline void vfma_store(float* f, VI sums, float d) {
     _mm512_storeu_ps(f, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(d), _mm512_loadu_ps(f)));
 }
+// f[0..16) += side[j] · codes[j·stride + 0..16) for j in order, one fused multiply-add each.
+inline void vfma_codes(float* f, const float* side, const int8_t* codes, int n, int stride) {
+    __m512 acc = _mm512_loadu_ps(f);
+    for (int j = 0; j < n; ++j) {
+        const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + static_cast<size_t>(j) * stride));
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(side[j]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)), acc);
+    }
+    _mm512_storeu_ps(f, acc);
+}
 #else
 using VI = __m256i;
 constexpr int VR = 8;
@@ -312,28 +311,40 @@ inline VI vdot(VI acc, VI u, VI s) { return dot_add(acc, u, s); }
 inline void vfma_store(float* f, VI sums, float d) {
     _mm256_storeu_ps(f, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(d), _mm256_loadu_ps(f)));
 }
+inline void vfma_codes(float* f, const float* side, const int8_t* codes, int n, int stride) {
+    __m256 acc = _mm256_loadu_ps(f);
+    for (int j = 0; j < n; ++j) {
+        const __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + static_cast<size_t>(j) * stride));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(side[j]), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), acc);
+    }
+    _mm256_storeu_ps(f, acc);
+}
 #endif
 constexpr int NV = NS * SLAB / VR;  // accumulator vectors per activation row
 
 struct Int8Args {
     const int8_t* w;
     const int32_t* neg_off;  // (slabs, groups, 16): −64·Σw per row and activation group
-    const int8_t* outlier_w;  // (N padded to 16, side_stride) codes of the outlier columns, or null
+    const int8_t* outlier_w;  // (n_out, N padded to 16): the outlier columns' codes, transposed, or null
     int groups;
+    int n_rows;  // N padded to 16: the row stride of outlier_w
 };
 
-// mr activation rows from m0 against ns slabs from s0 (ns ≤ NS): res[m][r], r over ns·16 rows.
+// One activation group (inputs k0 .. end-1, group g) of mr activation rows from m0 against ns slabs
+// from s0 (ns ≤ NS), fused into res (row stride `ld`): res[m][r] = fma(Σ w·c, d, res[m][r]).
+// `stream`: the first row tile to meet this slice of weights, which comes from memory (prefetched);
+// the other tiles find it in L1 (64 rows × 256 inputs = 16 KB).
 template <int mr, int ns>
-void int8_tile(const Int8Args& p, const Acts& a, int s0, int m0, float res[MR][NS * SLAB]) {
+void int8_group(const Int8Args& p, const Acts& a, int s0, int m0, int g, int k0, int end, float* res, int ld,
+                bool stream) {
     constexpr int nv = ns * SLAB / VR;
     const size_t slab_bytes = static_cast<size_t>(SLAB) * a.K;
     const int8_t* w = p.w + static_cast<size_t>(s0) * slab_bytes;
     const int8_t* xq[mr];
-    const float* xd[mr];
+    float d[mr];
     for (int m = 0; m < mr; ++m) {
         xq[m] = a.q + static_cast<size_t>(m0 + m) * a.K;
-        xd[m] = a.d + static_cast<size_t>(m0 + m) * a.stride;
-        for (int r = 0; r < ns * SLAB; ++r) res[m][r] = 0.0f;
+        d[m] = a.d[static_cast<size_t>(m0 + m) * a.stride + g];
     }
     // The accumulators are named variables, not an array: GCC 12 keeps an array of vectors in memory
     // and stores every element back each iteration (measured: half the speed at 6 × 4).
@@ -350,9 +361,9 @@ void int8_tile(const Int8Args& p, const Acts& a, int s0, int m0, float res[MR][N
         SB_EACH_V(SB_STEP, m)                                                    \
     }
 #define SB_FINISH(m, v) \
-    if constexpr (m < mr && v < nv) vfma_store(res[m] + v * VR, c##m##v, xd[m][g]);
+    if constexpr (m < mr && v < nv) vfma_store(res + (m0 + m) * ld + v * VR, c##m##v, d[m]);
     static_assert(MR <= 6 && NS * SLAB / VR <= 4, "the named accumulators cover 6 rows × 4 vectors");
-    auto neg = [&](int v, int g) {
+    auto neg = [&](int v) {
         return p.neg_off + (static_cast<size_t>(s0 + v / (SLAB / VR)) * p.groups + g) * SLAB + (v % (SLAB / VR)) * VR;
     };
     auto wat = [&](int v) { return w + static_cast<size_t>(v / (SLAB / VR)) * slab_bytes + (v % (SLAB / VR)) * VR * 4; };
@@ -360,61 +371,104 @@ void int8_tile(const Int8Args& p, const Acts& a, int s0, int m0, float res[MR][N
     const int8_t* wp1 = wat(nv > 1 ? 1 : 0);
     const int8_t* wp2 = wat(nv > 2 ? 2 : 0);
     const int8_t* wp3 = wat(nv > 3 ? 3 : 0);
-    for (int k0 = 0, g = 0; k0 < a.K; k0 += a.ag, ++g) {
-        const int end = a.K - k0 < a.ag ? a.K : k0 + a.ag;
-        const VI start0 = vload(neg(0, g));
-        const VI start1 = nv > 1 ? vload(neg(1, g)) : start0;
-        const VI start2 = nv > 2 ? vload(neg(2, g)) : start0;
-        const VI start3 = nv > 3 ? vload(neg(3, g)) : start0;
-        SB_EACH(SB_DECL)
-        SB_EACH(SB_INIT)
-        for (int k = k0; k < end; k += 4) {
-            const size_t at = static_cast<size_t>(k) * SLAB;
-            if (mr <= 2) {  // decode: the weights stream from memory, one 64-byte line per slab and quad
-                _mm_prefetch(reinterpret_cast<const char*>(wp0 + at) + SB_PREFETCH, _MM_HINT_T0);
-                if constexpr (ns > 1) _mm_prefetch(reinterpret_cast<const char*>(wp0 + slab_bytes + at) + SB_PREFETCH, _MM_HINT_T0);
-                if constexpr (ns > 2) _mm_prefetch(reinterpret_cast<const char*>(wp0 + 2 * slab_bytes + at) + SB_PREFETCH, _MM_HINT_T0);
-                if constexpr (ns > 3) _mm_prefetch(reinterpret_cast<const char*>(wp0 + 3 * slab_bytes + at) + SB_PREFETCH, _MM_HINT_T0);
-            }
-            const VI w0 = vload(wp0 + at);
-            const VI w1 = nv > 1 ? vload(wp1 + at) : w0;
-            const VI w2 = nv > 2 ? vload(wp2 + at) : w0;
-            const VI w3 = nv > 3 ? vload(wp3 + at) : w0;
-            SB_ROW(0) SB_ROW(1) SB_ROW(2) SB_ROW(3) SB_ROW(4) SB_ROW(5)
+    const VI start0 = vload(neg(0));
+    const VI start1 = nv > 1 ? vload(neg(1)) : start0;
+    const VI start2 = nv > 2 ? vload(neg(2)) : start0;
+    const VI start3 = nv > 3 ? vload(neg(3)) : start0;
+    SB_EACH(SB_DECL)
+    SB_EACH(SB_INIT)
+    for (int k = k0; k < end; k += 4) {
+        const size_t at = static_cast<size_t>(k) * SLAB;
+        if (stream) {  // one 64-byte line per slab and quad
+            _mm_prefetch(reinterpret_cast<const char*>(wp0 + at) + SB_PREFETCH, _MM_HINT_T0);
+            if constexpr (ns > 1) _mm_prefetch(reinterpret_cast<const char*>(wp0 + slab_bytes + at) + SB_PREFETCH, _MM_HINT_T0);
+            if constexpr (ns > 2) _mm_prefetch(reinterpret_cast<const char*>(wp0 + 2 * slab_bytes + at) + SB_PREFETCH, _MM_HINT_T0);
+            if constexpr (ns > 3) _mm_prefetch(reinterpret_cast<const char*>(wp0 + 3 * slab_bytes + at) + SB_PREFETCH, _MM_HINT_T0);
         }
-        SB_EACH(SB_FINISH)
+        const VI w0 = vload(wp0 + at);
+        const VI w1 = nv > 1 ? vload(wp1 + at) : w0;
+        const VI w2 = nv > 2 ? vload(wp2 + at) : w0;
+        const VI w3 = nv > 3 ? vload(wp3 + at) : w0;
+        SB_ROW(0) SB_ROW(1) SB_ROW(2) SB_ROW(3) SB_ROW(4) SB_ROW(5)
     }
-    if (a.n_out)
-        for (int m = 0; m < mr; ++m)
-            for (int r = 0; r < ns * SLAB; ++r)
-                res[m][r] += outlier_dot(a, m0 + m,
-                                         p.outlier_w + (static_cast<size_t>(s0) * SLAB + r) * a.side_stride);
+    SB_EACH(SB_FINISH)
 }
 
 template <int ns>
-void int8_rows(const Int8Args& p, const Acts& a, int s0, int m0, int mr, float res[MR][NS * SLAB]) {
+void int8_rows(const Int8Args& p, const Acts& a, int s0, int m0, int mr, int g, int k0, int end, float* res, int ld,
+               bool stream) {
     switch (mr) {
 #if SB_VARIANT == 2
-        case 6: return int8_tile<6, ns>(p, a, s0, m0, res);
-        case 5: return int8_tile<5, ns>(p, a, s0, m0, res);
-        case 4: return int8_tile<4, ns>(p, a, s0, m0, res);
-        case 3: return int8_tile<3, ns>(p, a, s0, m0, res);
+        case 6: return int8_group<6, ns>(p, a, s0, m0, g, k0, end, res, ld, stream);
+        case 5: return int8_group<5, ns>(p, a, s0, m0, g, k0, end, res, ld, stream);
+        case 4: return int8_group<4, ns>(p, a, s0, m0, g, k0, end, res, ld, stream);
+        case 3: return int8_group<3, ns>(p, a, s0, m0, g, k0, end, res, ld, stream);
 #endif
-        case 2: return int8_tile<2, ns>(p, a, s0, m0, res);
-        default: return int8_tile<1, ns>(p, a, s0, m0, res);
+        case 2: return int8_group<2, ns>(p, a, s0, m0, g, k0, end, res, ld, stream);
+        default: return int8_group<1, ns>(p, a, s0, m0, g, k0, end, res, ld, stream);
+    }
+}
+
+// All M activation rows against one unit of ns slabs from s0: res (M, NS·16), groups outermost so each
+// slice of weights is read from memory once and then serves every row tile from L1.
+void int8_unit(const Int8Args& p, const Acts& a, int M, int s0, int ns, float* res) {
+    constexpr int ld = NS * SLAB;
+    std::fill(res, res + static_cast<size_t>(M) * ld, 0.0f);
+    for (int k0 = 0, g = 0; k0 < a.K; k0 += a.ag, ++g) {
+        const int end = a.K - k0 < a.ag ? a.K : k0 + a.ag;
+        for (int m0 = 0; m0 < M; m0 += MR) {
+            const int mr = std::min(MR, M - m0);
+            switch (ns) {
+#if SB_VARIANT == 2
+                case 4: int8_rows<4>(p, a, s0, m0, mr, g, k0, end, res, ld, m0 == 0); break;
+                case 3: int8_rows<3>(p, a, s0, m0, mr, g, k0, end, res, ld, m0 == 0); break;
+#endif
+                case 2: int8_rows<2>(p, a, s0, m0, mr, g, k0, end, res, ld, m0 == 0); break;
+                default: int8_rows<1>(p, a, s0, m0, mr, g, k0, end, res, ld, m0 == 0); break;
+            }
+        }
+    }
+    // The outlier channels, vectorized over the rows: each channel's fp32 value times its column's codes.
+    for (int m = 0; m < M && a.n_out; ++m) {
+        const float* side = a.side + static_cast<size_t>(m) * a.side_stride;
+        for (int v = 0; v < ns * SLAB / VR; ++v)
+            vfma_codes(res + static_cast<size_t>(m) * ld + v * VR, side,
+                       p.outlier_w + static_cast<size_t>(s0) * SLAB + v * VR, a.n_out, p.n_rows);
     }
 }
 
 // Row scale, bias and the store, for rows m0 .. m0+mb-1 and weight rows n0 .. n0+nr-1 (`res` row stride `ld`).
 inline void emit(const float* res, int ld, int m0, int mb, int n0, int nr, int N, const float* row_scale,
                  const float* bias, void* out, int out_bf16) {
-    for (int m = 0; m < mb; ++m)
-        for (int r = 0; r < nr; ++r) {
+    for (int m = 0; m < mb; ++m) {
+        const size_t at = static_cast<size_t>(m0 + m) * N + n0;
+        int r = 0;
+        for (; r + 8 <= nr; r += 8) {  // the scalar loop's operations, 8 at a time: the same bits
+            __m256 v = _mm256_loadu_ps(res + m * ld + r);
+            if (row_scale) v = _mm256_mul_ps(v, _mm256_loadu_ps(row_scale + n0 + r));
+            if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + n0 + r));
+            if (!out_bf16) {
+                _mm256_storeu_ps(static_cast<float*>(out) + at + r, v);
+                continue;
+            }
+            // Round to nearest even as f32_to_bf16 does, NaNs kept quiet.
+            const __m256i u = _mm256_castps_si256(v);
+            const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+            __m256i h = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+            const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                                   _mm256_set1_epi32(0x7f800000));
+            h = _mm256_blendv_epi8(h, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)), nan);
+            const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), _MM_SHUFFLE(3, 1, 2, 0));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + at + r),
+                             _mm256_castsi256_si128(packed));
+        }
+        for (; r < nr; ++r) {
             float v = res[m * ld + r];
             if (row_scale) v *= row_scale[n0 + r];
             if (bias) v += bias[n0 + r];
-            store(out, out_bf16, static_cast<size_t>(m0 + m) * N + n0 + r, v);
+            store(out, out_bf16, at + r, v);
         }
+    }
 }
 
 // Blocks of rows split statically over the threads: each thread reads one contiguous part of the weight.
@@ -460,30 +514,22 @@ void sb_int4_linear(const void* x, int x_bf16, int M, int K, int N, const uint8_
 // activations quantized to 7 bits per `act_group` values (a multiple of 32, at most 256); `neg_off`
 // (slabs, groups, 16) holds −64 × each row's sum of codes per group. With `n_out` outlier channels
 // `out_idx`, those inputs skip the int8 product and meet their weight columns in fp32: `outlier_w`,
-// the columns' int8 codes (N padded to 16 rows, n_out padded with zeros to 8s).
+// the columns' int8 codes, (n_out, N padded to 16 rows).
 void sb_int8_linear(const void* x, int x_bf16, int M, int K, int N, const int8_t* w, const float* scales,
                     const int32_t* neg_off, int act_group, const int32_t* out_idx, int n_out,
                     const int8_t* outlier_w, const float* bias, void* out, int out_bf16) {
     const Acts a(x, x_bf16, M, K, act_group, 64, out_idx, n_out);
-    const Int8Args p{w, neg_off, outlier_w, (K + act_group - 1) / act_group};
+    const Int8Args p{w, neg_off, outlier_w, (K + act_group - 1) / act_group, (N + SLAB - 1) / SLAB * SLAB};
     const int slabs = (N + SLAB - 1) / SLAB, units = (slabs + NS - 1) / NS;
-    // Units of NS slabs (64 weight rows; 32 on AVX2) split statically over the threads; each unit meets every activation row
-    // in tiles of MR while its weights (NS·16·K bytes) stay in L1/L2.
-#pragma omp parallel for schedule(static)
-    for (int u = 0; u < units; ++u) {
-        const int s0 = u * NS, ns = std::min(NS, slabs - s0), n0 = s0 * SLAB, nr = std::min(ns * SLAB, N - n0);
-        for (int m0 = 0; m0 < M; m0 += MR) {
-            const int mr = std::min(MR, M - m0);
-            float res[MR][NS * SLAB];
-            switch (ns) {
-#if SB_VARIANT == 2
-                case 4: int8_rows<4>(p, a, s0, m0, mr, res); break;
-                case 3: int8_rows<3>(p, a, s0, m0, mr, res); break;
-#endif
-                case 2: int8_rows<2>(p, a, s0, m0, mr, res); break;
-                default: int8_rows<1>(p, a, s0, m0, mr, res); break;
-            }
-            emit(&res[0][0], NS * SLAB, m0, mr, n0, nr, N, scales, bias, out, out_bf16);
+    // Units of NS slabs (64 weight rows; 32 on AVX2) split statically over the threads.
+#pragma omp parallel
+    {
+        std::vector<float> res(static_cast<size_t>(M) * NS * SLAB);
+#pragma omp for schedule(static)
+        for (int u = 0; u < units; ++u) {
+            const int s0 = u * NS, ns = std::min(NS, slabs - s0), n0 = s0 * SLAB, nr = std::min(ns * SLAB, N - n0);
+            int8_unit(p, a, M, s0, ns, res.data());
+            emit(res.data(), NS * SLAB, 0, M, n0, nr, N, scales, bias, out, out_bf16);
         }
     }
 }
