@@ -38,7 +38,7 @@ from engines.kernels.quantize import QuantizedWeight, unpack_int4
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("quant_gemm.cpp", "cpu_ops.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("quant_gemm.cpp", "cpu_ops.cpp", "decoder.cpp")]
 # -ffp-contract=off: no fused multiply-adds but the ones written out, so elementwise ops round as torch's do.
 FLAGS = [
     "-ffp-contract=off",
@@ -169,6 +169,8 @@ def build_of(variant: str) -> ctypes.CDLL | None:
     lib.sb_paged_attention.argtypes = [p, long, p, i, i, i, i, p, p, p, p, i, i, i, p, p, p, f, i]
     for fn in (lib.sb_rms_norm, lib.sb_rope, lib.sb_silu_mul, lib.sb_paged_attention):
         fn.restype = None
+    lib.sb_decoder.argtypes = [p, p, p, p]
+    lib.sb_decoder.restype = ctypes.c_int
     return lib
 
 

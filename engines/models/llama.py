@@ -8,6 +8,7 @@ replace it without touching the model.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -18,6 +19,9 @@ from engines.layers.blocks import RMSNorm, RotaryEmbedding, SwiGLU
 from engines.layers.linear import Embedding, Linear
 from engines.models.config import ModelConfig
 from engines.models.moe import SparseMoE
+
+if TYPE_CHECKING:
+    from engines.models.native_decoder import NativeDecoder
 
 
 @dataclass
@@ -75,6 +79,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self._native_key: tuple | None = None
+        self._native: NativeDecoder | None = None
 
     def forward(
         self,
@@ -88,6 +94,10 @@ class LlamaForCausalLM(nn.Module):
         `taps`: residual-stream rows to keep on the way (a router's features)."""
         hidden = self.embed_tokens(input_ids)
         rope = self.rope(positions)
+        native = self._native_decoder(backend) if taps is None else None
+        if native is not None:  # every layer in one library call: the same numbers, no per-layer Python
+            hidden, residual = native.forward(hidden, rope, meta)
+            return self.norm.add_norm(hidden, residual)[0]
         residual = None
         if taps is not None and 0 in taps.rows:
             taps.states[0] = hidden[taps.rows[0]].float()
@@ -97,6 +107,24 @@ class LlamaForCausalLM(nn.Module):
                 rows = taps.rows[i]
                 taps.states[i] = hidden[rows].float() + residual[rows].float()
         return self.norm.add_norm(hidden, residual)[0]
+
+    def _native_decoder(self, backend: AttentionBackend) -> NativeDecoder | None:
+        """`engines.models.native_decoder` for this backend and these kernels, built once (None where it
+        cannot run); rebuilt when the backend, its cache or the layers' kernels change."""
+        from engines.models.native_decoder import NativeDecoder, enabled
+
+        if not enabled() or self.device.type != "cpu":
+            return None
+        cache = getattr(backend, "cache", None)
+        first, last = self.layers[0], self.layers[-1]
+        kernels = (
+            getattr(first.self_attn.qkv_proj, "kernel", None),
+            getattr(getattr(last.mlp, "down_proj", None), "kernel", None),
+        )
+        key = (id(backend), None if cache is None else cache.buffer.data_ptr(), *map(id, kernels))
+        if self._native_key != key:
+            self._native_key, self._native = key, NativeDecoder.build(self, backend)
+        return self._native
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

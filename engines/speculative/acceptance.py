@@ -178,11 +178,13 @@ def choose_k(
     draft_row_cost: float,
     probe: bool,
     setup_cost: float = 0.0,
+    min_gain: float = 0.0,
 ) -> int:
     """The k in 0..k_max with the most tokens per second for one sequence: a plain step costs
     `base_cost` (its share of the batch), each draft adds a verified row and a drafted row, and
-    drafting at all adds `setup_cost` (a draft that must first catch up on tokens it skipped)."""
-    best_k, best = 0, 1.0 / base_cost if base_cost > 0 else 0.0
+    drafting at all adds `setup_cost` (a draft that must first catch up on tokens it skipped).
+    A k > 0 must beat the plain rate by `min_gain` (a fraction): the costs price the forwards only."""
+    best_k, best = 0, (1.0 + min_gain) / base_cost if base_cost > 0 else 0.0
     for k in range(1, k_max + 1):
         rate = expected_tokens(alpha, k) / (base_cost + k * (row_cost + draft_row_cost) + setup_cost)
         if rate > best * 1.0001:

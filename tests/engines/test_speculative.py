@@ -171,6 +171,10 @@ def test_adaptive_k_turns_drafting_off_when_it_does_not_pay() -> None:
     assert choose_k(0.9, 5, base_cost=1.0, row_cost=0.02, draft_row_cost=0.0, probe=False) == 5
     assert choose_k(0.2, 5, base_cost=1.0, row_cost=0.3, draft_row_cost=0.3, probe=False) == 0
     assert choose_k(0.2, 5, base_cost=1.0, row_cost=0.3, draft_row_cost=0.3, probe=True) == 1
+    # A predicted 7% gain (one draft at α = 0.5 for half a step's cost: 1.5 tokens per 1.4) drafts with
+    # no margin and not with the default 10% one.
+    assert choose_k(0.5, 1, base_cost=1.0, row_cost=0.2, draft_row_cost=0.2, probe=False) == 1
+    assert choose_k(0.5, 1, base_cost=1.0, row_cost=0.2, draft_row_cost=0.2, probe=False, min_gain=0.1) == 0
     cost = LinearCost(per_token_share=0.1)
     for n in (1, 4, 8, 2, 6):
         cost.add(n, 0.05 + 0.01 * n)
