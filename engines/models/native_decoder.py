@@ -24,8 +24,9 @@ from engines.layers.blocks import SwiGLU
 from engines.layers.linear import Int4Kernel, Int8Kernel, Linear
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from engines.kernels.metadata import AttentionBackend, AttentionMetadata
-    from engines.models.llama import LlamaForCausalLM
 
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int32, ctypes.c_float
 
@@ -87,7 +88,7 @@ def _linear(layer: Linear, keep: list[torch.Tensor]) -> _Linear | None:
 class NativeDecoder:
     """The model's decoder layers as one library call per step; `build` returns None where it cannot run."""
 
-    def __init__(self, model: LlamaForCausalLM, cache_layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def __init__(self, model: nn.Module, cache_layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         cfg = model.config
         self.keep: list[torch.Tensor] = []
         layers = []
@@ -111,7 +112,8 @@ class NativeDecoder:
         )
 
     @classmethod
-    def build(cls, model: LlamaForCausalLM, backend: AttentionBackend) -> NativeDecoder | None:
+    def build(cls, model: nn.Module, backend: AttentionBackend) -> NativeDecoder | None:
+        """`model`: a `LlamaForCausalLM` (not imported: it imports this module)."""
         cfg = model.config
         if not enabled() or cpu_kernels.library() is None or not isinstance(backend, NativePagedAttention):
             return None
