@@ -233,7 +233,10 @@ class Engine:
         tokens, logits = self._sample(plan, self._forward(plan))
         outputs = self._postprocess(plan, logits, tokens)
         generated = sum(len(o.new_token_ids) for o in outputs)
-        self.meter.record(time.perf_counter() - started, plan.batch.num_tokens, plan.num_tokens, generated)
+        seconds = time.perf_counter() - started
+        self.meter.record(seconds, plan.batch.num_tokens, plan.num_tokens, generated)
+        if self.speculator is not None:
+            self.speculator.observe_step(plan.batch, generated, seconds, bool(plan.drafts))
         return outputs
 
     def _schedule(self) -> StepPlan | None:

@@ -19,6 +19,7 @@ from engines.block_manager import BlockManager
 from engines.scheduler import ScheduledBatch
 from engines.sequence import Sequence
 from engines.speculative.acceptance import Acceptance, LinearCost, SpecStats, choose_k, speculates
+from engines.speculative.guard import SpeedGuard
 from engines.speculative.proposers import Draft, DraftProposer, NgramProposer
 
 if TYPE_CHECKING:
@@ -43,8 +44,9 @@ class SpeculativeConfig:
     prior_acceptance: float = 0.6  # a new request's acceptance rate before it has any
     # Adaptive k drafts only where the predicted tokens/s beat plain decoding by this fraction: the cost
     # fits time the forwards, not the step's own drafting work (acceptance, rollback, the draft's
-    # bookkeeping). Without it a 16-row Qwen 1.5B int8 step at batch 8 drafted at predicted break-even
-    # and ran 0.94x plain (AMD EPYC, AVX-512 VNNI kernels).
+    # bookkeeping). With no margin, Qwen 1.5B int8 at batch 8 drafted at predicted break-even and ran
+    # 0.94x plain; 0.10 kept the 0.5B draft from ever drafting at batch 1 (at the prior acceptance its
+    # best k predicts +5%, so no acceptance was ever measured). AMD EPYC, AVX-512 VNNI kernels.
     min_gain: float = 0.05
 
     def __post_init__(self) -> None:
@@ -63,6 +65,7 @@ class Speculator:
         self.draft_cost = LinearCost(per_token_share=0.2)
         self._acceptance: dict[str, Acceptance] = {}
         self._global = Acceptance()
+        self.guard = SpeedGuard()
         self._catchup_per_token = 0.0  # seconds per token of a draft's prompt computation or catch-up
 
     def propose(self, batch: ScheduledBatch, bm: BlockManager, max_model_len: int, budget: int) -> dict[int, Draft]:
@@ -79,6 +82,8 @@ class Speculator:
         ]
         if not eligible:
             return {}
+        if self.config.adaptive and len(eligible) == len(batch.seqs) and not self.guard.allow(len(batch.seqs)):
+            return {}  # a pure decode step of a batch size where drafting measured slower (guard.py)
         prior = self._global.rate(self.config.prior_acceptance)
         costs = self._costs(len(batch.seqs), batch.num_tokens, len(eligible))
         seqs, ks = [], []
@@ -138,6 +143,12 @@ class Speculator:
         ):
             self.proposer.prefill(seqs)
             self._drain_rounds()
+
+    def observe_step(self, batch: ScheduledBatch, tokens: int, seconds: float, drafted: bool) -> None:
+        """A whole step (drafting, forward, acceptance, bookkeeping) that appended `tokens`: pure decode
+        steps feed the guard."""
+        if all(n == 1 for n in batch.num_new):
+            self.guard.observe(len(batch.seqs), tokens, seconds, drafted)
 
     def record_step(self, tokens: int, seconds: float) -> None:
         """The target forward's size and time, for the cost fit."""

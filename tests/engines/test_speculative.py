@@ -271,3 +271,48 @@ def test_speculative_sampling_reproduces_the_target_distribution(params: Samplin
         for _ in range(8000)
     ]
     assert l2_to(joint, biased) > 3 * plain_err[-1]
+
+
+def test_the_guard_stops_drafting_at_a_batch_size_where_it_measured_slower() -> None:
+    from engines.speculative.guard import EXPLORE_EVERY, SpeedGuard
+
+    guard = SpeedGuard()
+    assert not guard.allow(8)  # plain first: nothing measured yet
+    guard.observe(8, 8, 0.1, drafted=False)  # plain: 80 tok/s
+    allowed = [guard.allow(8) for _ in range(2 * EXPLORE_EVERY)]
+    assert allowed.count(False) == 2  # drafting, but one plain step in 16 keeps the plain rate current
+    guard.observe(8, 9, 0.15, drafted=True)  # drafting: 60 tok/s, slower
+    allowed = [guard.allow(8) for _ in range(2 * EXPLORE_EVERY)]
+    assert allowed.count(True) == 2  # plain, but for one drafting step in 16
+    for _ in range(8):  # drafting got faster (say, longer accepted runs): it comes back
+        guard.observe(8, 16, 0.1, drafted=True)
+    assert guard.allow(9) or guard.allow(9)  # 9 sequences share 8's bucket (8..15)
+    assert sum(guard.allow(8) for _ in range(EXPLORE_EVERY)) == EXPLORE_EVERY - 1
+    assert not guard.allow(1)  # another batch size is measured on its own
+    assert set(guard.rates()) == {1, 4}
+
+
+def test_speculation_keeps_plain_greedy_output_while_the_guard_switches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Plain and drafting steps interleave under the guard (plain first, then drafting, one plain step
+    in 16); the text stays plain greedy decoding's, and both kinds of step are measured."""
+    model_dir = tiny_hf_model("llama", tmp_path)
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 7, 5, 6, 7, 5, 6]]
+    plain = Engine.from_dir(model_dir, dtype="fp32")
+    spec = spec_engine(model_dir, "ngram")
+    assert spec.speculator is not None
+    monkeypatch.setattr(spec.speculator, "_costs", lambda *_: (1.0, 0.02, 0.0))  # drafting predicted to pay
+    outs = []
+    for engine in (plain, spec):
+        for i, p in enumerate(prompts):
+            engine.add_request(EngineRequest(f"r{i}", p, SamplingParams(max_tokens=40, temperature=0.0)))
+        got: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        outs.append(got)
+    assert outs[0] == outs[1]
+    plain_rate, drafting_rate = spec.speculator.guard.rates()[2]
+    assert plain_rate > 0 and drafting_rate > 0
+    assert spec.speculator.stats.steps > 0
