@@ -4,8 +4,10 @@
 
 Target: Qwen2.5-Coder-1.5B (int8 weights, as the large tier serves on this CPU); draft:
 Qwen2.5-Coder-0.5B. Prompts: the first --prompts MT-bench first turns and GSM8K test problems,
-chat-templated. Greedy, stopping at end of turn, so the texts are real answers. Every run decodes
-the same prompts in one process; speculative outputs are checked to equal the plain ones.
+chat-templated. Greedy, stopping at end of turn, so the texts are real answers. Every configuration
+decodes the same prompts in one process, interleaved: each wave of prompts runs on every engine in
+turn (a shared 2-vCPU machine drifts by 20% over minutes, more than the effects measured); speculative
+outputs are checked to equal the plain ones.
 
 Decode tok/s = generated tokens after each wave's first tokens / seconds after them (prefill is not
 timed; where speculation is expected to pay, the draft computes the prompt in the prefill step, which
@@ -40,32 +42,42 @@ from grading.datasets import load_gsm8k
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 
 
-def decode(engine: Engine, prompts: list[list[int]], batch: int, tokens: int) -> tuple[float, list[list[int]]]:
-    """(decode tok/s, outputs): prompts in waves of `batch`, each wave timed after its prefill."""
-    outputs: list[list[int]] = []
-    generated, seconds = 0, 0.0
-    for lo in range(0, len(prompts), batch):
-        wave = prompts[lo : lo + batch]
-        out: dict[str, list[int]] = {}
-        for i, p in enumerate(wave):
-            rid = f"b{lo + i}-{time.monotonic_ns()}"
-            out[rid] = []
-            engine.add_request(EngineRequest(rid, p, SamplingParams(max_tokens=tokens, temperature=0.0)))
-        first: dict[str, float] = {}
-        done_at: dict[str, float] = {}
-        while engine.has_unfinished():
-            for o in engine.step():
-                now = time.perf_counter()
-                out[o.request_id] += o.new_token_ids
-                first.setdefault(o.request_id, now)
-                if o.finished:
-                    done_at[o.request_id] = now
-        # The wave's decode: from the last prefill's first token to the last finish.
-        start = max(first.values())
-        seconds += max(done_at.values()) - start
-        generated += sum(len(v) - 1 for v in out.values())
-        outputs += list(out.values())
-    return generated / seconds, outputs
+def decode_wave(engine: Engine, wave: list[list[int]], tokens: int) -> tuple[int, float, list[list[int]]]:
+    """(tokens generated after each first token, seconds from the last first token to the last finish,
+    outputs) for one wave of prompts decoded together."""
+    out: dict[str, list[int]] = {}
+    for i, p in enumerate(wave):
+        rid = f"w{i}-{time.monotonic_ns()}"
+        out[rid] = []
+        engine.add_request(EngineRequest(rid, p, SamplingParams(max_tokens=tokens, temperature=0.0)))
+    first: dict[str, float] = {}
+    done_at: dict[str, float] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            now = time.perf_counter()
+            out[o.request_id] += o.new_token_ids
+            first.setdefault(o.request_id, now)
+            if o.finished:
+                done_at[o.request_id] = now
+    return sum(len(v) - 1 for v in out.values()), max(done_at.values()) - max(first.values()), list(out.values())
+
+
+def decode(
+    engines: dict[str, Engine], prompts: list[list[int]], batch: int, tokens: int
+) -> dict[str, tuple[float, list[list[int]]]]:
+    """Per engine (decode tok/s, outputs): prompts in waves of `batch`, each wave run on every engine in
+    turn (the order rotating), so a shared machine's drift falls on all of them alike."""
+    names = list(engines)
+    generated = dict.fromkeys(names, 0)
+    seconds = dict.fromkeys(names, 0.0)
+    outputs: dict[str, list[list[int]]] = {n: [] for n in names}
+    for w, lo in enumerate(range(0, len(prompts), batch)):
+        for name in names[w % len(names) :] + names[: w % len(names)]:
+            n, sec, outs = decode_wave(engines[name], prompts[lo : lo + batch], tokens)
+            generated[name] += n
+            seconds[name] += sec
+            outputs[name] += outs
+    return {n: (generated[n] / seconds[n], outputs[n]) for n in names}
 
 
 def main() -> None:
@@ -100,51 +112,49 @@ def main() -> None:
 
     def engine(spec: SpeculativeConfig, draft_fmt: str = "int8") -> Engine:
         config = EngineConfig(kv_cache_bytes=256 << 20, speculative=spec)
-        return Engine(plain.model, tok, config, draft_model=drafts[draft_fmt] if spec.method == "draft" else None)
-
-    decode(plain, prompts[:1], 1, 4)  # warm-up: kernels, first-use blocks
-    say("plain, batch 1")
-    results: dict[str, dict] = {}
-    tok_s, reference = decode(plain, prompts, 1, args.tokens)
-    results["plain b1"] = {"tok_s": tok_s}
-
-    def measure(label: str, spec: SpeculativeConfig, draft_fmt: str, batch: int, base: float) -> dict:
-        say(f"{label}, batch {batch}")
-        e = engine(spec, draft_fmt)
-        decode(e, prompts[-1:], 1, 16)  # warm-up: a serving engine has timed its steps before
-        tok_s, outs = decode(e, prompts, batch, args.tokens)
-        s = e.stats().speculative
-        r = {
-            "tok_s": tok_s,
-            "speedup": tok_s / base,
-            "acceptance": s.get("spec_acceptance_rate", 0.0),
-            "accepted_len": s.get("spec_mean_accepted_length", 0.0),
-            "identical": outs == reference,
-            "k_chosen": dict(sorted(e.speculator.stats.by_k.items())) if e.speculator else {},
-        }
-        results[f"{label} b{batch}"] = r
-        return r
+        e = Engine(plain.model, tok, config, draft_model=drafts[draft_fmt] if spec.method == "draft" else None)
+        decode_wave(e, prompts[-1:], 16)  # warm-up: a serving engine has timed its steps before
+        return e
 
     fixed = SpeculativeConfig(method="draft", num_speculative_tokens=args.k, adaptive=False)
     full = replace(fixed, adaptive=True, draft_vocab=args.draft_vocab)
-    base1 = results["plain b1"]["tok_s"]
-    if not args.skip_levers:
-        measure("draft int8, fixed k", fixed, "int8", 1, base1)
-        measure("+ int4 draft", fixed, "int4", 1, base1)
-        measure("+ 32k-token draft head", replace(fixed, draft_vocab=args.draft_vocab), "int4", 1, base1)
-    measure("draft", full, "int4", 1, base1)
-    if args.distilled:  # fixed k: acceptance is what distillation changes
-        headed = replace(fixed, draft_vocab=args.draft_vocab)
-        measure("fixed k, int4 from bf16", headed, "original, int4 from bf16", 1, base1)
-        measure("fixed k, distilled", headed, "distilled", 1, base1)
     ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=args.k)
-    measure("ngram", ngram, "int8", 1, base1)
-    say("plain, batch 8")
-    tok_s8, reference8 = decode(plain, prompts, 8, args.tokens)
-    assert reference8 == reference, "plain greedy output changed with the batch"
-    results["plain b8"] = {"tok_s": tok_s8}
-    measure("draft", full, "int4", 8, tok_s8)
-    measure("ngram", ngram, "int8", 8, tok_s8)
+    decode_wave(plain, prompts[:1], 4)  # warm-up: kernels, first-use blocks
+    results: dict[str, dict] = {}
+    for batch in (1, 8):
+        configs: dict[str, tuple[SpeculativeConfig, str]] = {}
+        if batch == 1 and not args.skip_levers:
+            configs["draft int8, fixed k"] = (fixed, "int8")
+            configs["+ int4 draft"] = (fixed, "int4")
+            configs["+ 32k-token draft head"] = (replace(fixed, draft_vocab=args.draft_vocab), "int4")
+        configs["draft"] = (full, "int4")
+        if batch == 1 and args.distilled:  # fixed k: acceptance is what distillation changes
+            headed = replace(fixed, draft_vocab=args.draft_vocab)
+            configs["fixed k, int4 from bf16"] = (headed, "original, int4 from bf16")
+            configs["fixed k, distilled"] = (headed, "distilled")
+        configs["ngram"] = (ngram, "int8")
+        engines = {"plain": plain} | {label: engine(*c) for label, c in configs.items()}
+        say(f"batch {batch}: {', '.join(engines)}, interleaved by wave")
+        measured = decode(engines, prompts, batch, args.tokens)
+        base, reference = measured["plain"]
+        if batch == 8:
+            assert reference == results["plain b1"]["outputs"], "plain greedy output changed with the batch"
+        results[f"plain b{batch}"] = {"tok_s": base, "outputs": reference}
+        for label, e in engines.items():
+            if label == "plain":
+                continue
+            tok_s, outs = measured[label]
+            st = e.stats().speculative
+            results[f"{label} b{batch}"] = {
+                "tok_s": tok_s,
+                "speedup": tok_s / base,
+                "acceptance": st.get("spec_acceptance_rate", 0.0),
+                "accepted_len": st.get("spec_mean_accepted_length", 0.0),
+                "identical": outs == reference,
+                "k_chosen": dict(sorted(e.speculator.stats.by_k.items())) if e.speculator else {},
+            }
+        del engines
+    base1 = results["plain b1"]["tok_s"]
 
     print(
         f"\nQwen2.5-Coder-1.5B int8 target, Qwen2.5-Coder-0.5B draft; {len(prompts)} prompts "
