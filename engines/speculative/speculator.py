@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from engines.tokenizer import Tokenizer
 
 AMORTIZE_STEPS = 16  # steps over which a draft's catch-up on skipped tokens is expected to pay back
+BOOTSTRAP_TRIALS = 32  # drafts verified before the measured acceptance alone sets a new request's prior
 PROBE_EVERY = 16  # a request whose k fell to 0 tries one draft after this many steps, then twice as
 # many after each probe that does not bring k back, so its rate stays current at little cost
 
@@ -42,12 +43,11 @@ class SpeculativeConfig:
     draft_kv_cache_bytes: int = 256 << 20
     draft_vocab: int = 0  # > 0: the draft proposes only the first this many ids and special tokens
     prior_acceptance: float = 0.6  # a new request's acceptance rate before it has any
-    # Adaptive k drafts only where the predicted tokens/s beat plain decoding by this fraction: the cost
-    # fits time the forwards, not the step's own drafting work (acceptance, rollback, the draft's
-    # bookkeeping). With no margin, Qwen 1.5B int8 at batch 8 drafted at predicted break-even and ran
-    # 0.94x plain; 0.10 kept the 0.5B draft from ever drafting at batch 1 (at the prior acceptance its
-    # best k predicts +5%, so no acceptance was ever measured). AMD EPYC, AVX-512 VNNI kernels.
-    min_gain: float = 0.05
+    # Adaptive k drafts only where the predicted tokens/s beat plain decoding by this fraction. Off by
+    # default: the measured guard (guard.py) catches what the cost fits miss, while a margin at the
+    # prior acceptance kept the 0.5B draft from ever drafting at batch 1 (its best k predicted +5%, so
+    # no acceptance was ever measured). AMD EPYC, AVX-512 VNNI kernels.
+    min_gain: float = 0.0
 
     def __post_init__(self) -> None:
         if self.method not in ("off", "ngram", "draft"):
@@ -66,6 +66,7 @@ class Speculator:
         self._acceptance: dict[str, Acceptance] = {}
         self._global = Acceptance()
         self.guard = SpeedGuard()
+        self._catching_up = False  # this step's draft first computes tokens it skipped (not a typical step)
         self._catchup_per_token = 0.0  # seconds per token of a draft's prompt computation or catch-up
 
     def propose(self, batch: ScheduledBatch, bm: BlockManager, max_model_len: int, budget: int) -> dict[int, Draft]:
@@ -82,9 +83,11 @@ class Speculator:
         ]
         if not eligible:
             return {}
-        if self.config.adaptive and len(eligible) == len(batch.seqs) and not self.guard.allow(len(batch.seqs)):
+        self._catching_up = False
+        pure = len(eligible) == len(batch.seqs) > 1  # batch 1 is left to adaptive k (see guard.py)
+        if self.config.adaptive and pure and not self.guard.allow(len(batch.seqs)):
             return {}  # a pure decode step of a batch size where drafting measured slower (guard.py)
-        prior = self._global.rate(self.config.prior_acceptance)
+        prior = self._prior()
         costs = self._costs(len(batch.seqs), batch.num_tokens, len(eligible))
         seqs, ks = [], []
         for i in eligible:
@@ -114,6 +117,8 @@ class Speculator:
             else:
                 k = k_max
             need = bm.blocks_needed(seq.block_table, seq.num_computed + 1 + k)
+            if k and self.proposer.lag(seq) > 2:  # a one-off cost, priced by setup_cost, not by the guard
+                self._catching_up = True
             if k and bm.can_allocate(need, optional=True):
                 bm.allocate(seq.block_table, need)
                 seqs.append(i)
@@ -136,7 +141,7 @@ class Speculator:
             return
         batch_size = len(batch.seqs)
         costs = self._costs(batch_size, batch_size, max(1, len(seqs)))  # as the decode steps to come
-        prior = self._global.rate(self.config.prior_acceptance)
+        prior = self._prior()
         k = self.config.num_speculative_tokens
         if not self.config.adaptive or (
             costs and choose_k(prior, k, *costs, probe=False, min_gain=self.config.min_gain)
@@ -147,8 +152,18 @@ class Speculator:
     def observe_step(self, batch: ScheduledBatch, tokens: int, seconds: float, drafted: bool) -> None:
         """A whole step (drafting, forward, acceptance, bookkeeping) that appended `tokens`: pure decode
         steps feed the guard."""
-        if all(n == 1 for n in batch.num_new):
+        if len(batch.seqs) > 1 and all(n == 1 for n in batch.num_new) and not (drafted and self._catching_up):
             self.guard.observe(len(batch.seqs), tokens, seconds, drafted)
+
+    def _prior(self) -> float:
+        """A new request's acceptance rate before it has any: the recent traffic's, but not below the
+        configured prior until BOOTSTRAP_TRIALS drafts are verified. A few unlucky first drafts must not
+        stop speculation for good: a draft that stops drafting falls behind, and a lagging draft is
+        never probed (measured: one rejected warm-up draft did that to the 0.5B draft)."""
+        prior = self._global.rate(self.config.prior_acceptance)
+        if self._global.trials < BOOTSTRAP_TRIALS:
+            prior = max(prior, self.config.prior_acceptance)
+        return prior
 
     def record_step(self, tokens: int, seconds: float) -> None:
         """The target forward's size and time, for the cost fit."""

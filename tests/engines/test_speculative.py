@@ -274,22 +274,25 @@ def test_speculative_sampling_reproduces_the_target_distribution(params: Samplin
 
 
 def test_the_guard_stops_drafting_at_a_batch_size_where_it_measured_slower() -> None:
-    from engines.speculative.guard import EXPLORE_EVERY, SpeedGuard
+    from engines.speculative.guard import EXPLORE_EVERY, MIN_SAMPLES, SpeedGuard
 
     guard = SpeedGuard()
-    assert not guard.allow(8)  # plain first: nothing measured yet
-    guard.observe(8, 8, 0.1, drafted=False)  # plain: 80 tok/s
+    # At first: drafting, with a plain step in 4 until plain has MIN_SAMPLES measurements.
+    assert [guard.allow(8) for _ in range(8)] == [True, True, True, False] * 2
+    guard.observe(8, 2, 2.0, drafted=True)  # a draft catching up on its prompt: one slow step...
+    for _ in range(MIN_SAMPLES):
+        guard.observe(8, 8, 0.1, drafted=False)  # plain: 80 tok/s
+    for _ in range(MIN_SAMPLES - 1):
+        guard.observe(8, 12, 0.1, drafted=True)  # ...then 120 tok/s: judged on the average, still slower
     allowed = [guard.allow(8) for _ in range(2 * EXPLORE_EVERY)]
-    assert allowed.count(False) == 2  # drafting, but one plain step in 16 keeps the plain rate current
-    guard.observe(8, 9, 0.15, drafted=True)  # drafting: 60 tok/s, slower
-    allowed = [guard.allow(8) for _ in range(2 * EXPLORE_EVERY)]
-    assert allowed.count(True) == 2  # plain, but for one drafting step in 16
-    for _ in range(8):  # drafting got faster (say, longer accepted runs): it comes back
+    assert allowed.count(True) == 2  # slower: plain, but for one drafting step in 16
+    for _ in range(8):  # drafting measured faster now: it comes back
         guard.observe(8, 16, 0.1, drafted=True)
-    assert guard.allow(9) or guard.allow(9)  # 9 sequences share 8's bucket (8..15)
-    assert sum(guard.allow(8) for _ in range(EXPLORE_EVERY)) == EXPLORE_EVERY - 1
-    assert not guard.allow(1)  # another batch size is measured on its own
+    assert sum(guard.allow(9) for _ in range(EXPLORE_EVERY)) == EXPLORE_EVERY - 1  # 9 shares 8's bucket
+    assert guard.allow(1)  # another batch size is measured on its own, drafting first
     assert set(guard.rates()) == {1, 4}
+    plain, drafting = guard.rates()[4]
+    assert plain == pytest.approx(80) and drafting > plain
 
 
 def test_speculation_keeps_plain_greedy_output_while_the_guard_switches(
@@ -298,7 +301,7 @@ def test_speculation_keeps_plain_greedy_output_while_the_guard_switches(
     """Plain and drafting steps interleave under the guard (plain first, then drafting, one plain step
     in 16); the text stays plain greedy decoding's, and both kinds of step are measured."""
     model_dir = tiny_hf_model("llama", tmp_path)
-    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 7, 5, 6, 7, 5, 6]]
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 7, 5, 6, 7, 5, 6], [9, 8, 9, 8, 9, 8]]
     plain = Engine.from_dir(model_dir, dtype="fp32")
     spec = spec_engine(model_dir, "ngram")
     assert spec.speculator is not None
