@@ -8,7 +8,6 @@ replace it without touching the model.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -19,9 +18,7 @@ from engines.layers.blocks import RMSNorm, RotaryEmbedding, SwiGLU
 from engines.layers.linear import Embedding, Linear
 from engines.models.config import ModelConfig
 from engines.models.moe import SparseMoE
-
-if TYPE_CHECKING:
-    from engines.models.native_decoder import NativeDecoder
+from engines.models.native_decoder import NativeDecoder, enabled
 
 
 @dataclass
@@ -111,8 +108,6 @@ class LlamaForCausalLM(nn.Module):
     def _native_decoder(self, backend: AttentionBackend) -> NativeDecoder | None:
         """`engines.models.native_decoder` for this backend and these kernels, built once (None where it
         cannot run); rebuilt when the backend, its cache or the layers' kernels change."""
-        from engines.models.native_decoder import NativeDecoder, enabled
-
         if not enabled() or self.device.type != "cpu":
             return None
         cache = getattr(backend, "cache", None)

@@ -96,7 +96,6 @@ class NativeDecoder:
             attn, mlp = layer.self_attn, layer.mlp
             parts = [_linear(lin, self.keep) for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             norms = [n.weight.detach().contiguous() for n in (layer.input_layernorm, layer.post_attention_layernorm)]
-            self.eps_ok = getattr(self, "eps_ok", True) and all(t.dtype == torch.bfloat16 for t in norms)
             self.keep += norms
             layers.append(_Layer(*parts, *(t.data_ptr() for t in norms), k_cache.data_ptr(), v_cache.data_ptr()))
         self.layers = (_Layer * len(layers))(*layers)
@@ -105,11 +104,6 @@ class NativeDecoder:
             cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size,
             k0.shape[1], k0.shape[2], len(layers), model.norm.eps, cfg.head_dim**-0.5,
         )  # fmt: skip
-        self.eps_ok = self.eps_ok and all(
-            norm.eps == model.norm.eps
-            for layer in model.layers
-            for norm in (layer.input_layernorm, layer.post_attention_layernorm)
-        )
 
     @classmethod
     def build(cls, model: nn.Module, backend: AttentionBackend) -> NativeDecoder | None:
@@ -128,8 +122,11 @@ class NativeDecoder:
             linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
             if any(_linear(lin, []) is None for lin in linears):
                 return None
-        decoder = cls(model, [cache.layer(i) for i in range(cfg.num_hidden_layers)])
-        return decoder if decoder.eps_ok else None
+            # One eps for every norm (the library takes one), bf16 weights (it reads them as such).
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                if norm.eps != model.norm.eps or norm.weight.dtype != torch.bfloat16:
+                    return None
+        return cls(model, [cache.layer(i) for i in range(cfg.num_hidden_layers)])
 
     def forward(
         self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata

@@ -95,10 +95,10 @@ class Speculator:
             left = min(seq.request.params.max_tokens - seq.num_generated, max_model_len - len(seq.token_ids)) - 1
             k_max = max(0, min(self.config.num_speculative_tokens, left, budget))
             acc = self._acceptance.setdefault(seq.request_id, Acceptance())
+            lag = self.proposer.lag(seq)
             if self.config.adaptive:
                 # A draft that skipped tokens computes them before it drafts: a cost spread over the
                 # steps it then saves, and a reason not to probe (cheap probes only).
-                lag = self.proposer.lag(seq)
                 setup = lag * self._catchup_per_token / AMORTIZE_STEPS
                 merit = (
                     choose_k(
@@ -117,7 +117,7 @@ class Speculator:
             else:
                 k = k_max
             need = bm.blocks_needed(seq.block_table, seq.num_computed + 1 + k)
-            if k and self.proposer.lag(seq) > 2:  # a one-off cost, priced by setup_cost, not by the guard
+            if k and lag > 2:  # a one-off cost, priced by setup_cost, not by the guard
                 self._catching_up = True
             if k and bm.can_allocate(need, optional=True):
                 bm.allocate(seq.block_table, need)

@@ -65,13 +65,6 @@ inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-inline int32_t hsum_i32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
-    return _mm_cvtsi128_si32(s);
-}
-
 inline __m256 lane(__m256 v, int j) { return _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(j)); }
 
 inline __m256i sum_pairs(__m256i p16) { return _mm256_madd_epi16(p16, _mm256_set1_epi16(1)); }
@@ -263,8 +256,8 @@ void int4_block(const uint8_t* blk, int groups, const Acts& a, int m, float out[
 // The rule every int8 output follows, whatever the batch and tile: each activation group's exact
 // integer sum Σ w·c takes one fused multiply-add with the group's scale, groups in order, from 0;
 // then each outlier channel's fp32 product takes one fused multiply-add, channels in order, then
-// the row scale and bias. So an
-// output's bits do not depend on how many rows its batch has, nor on the build (AVX2 or VNNI).
+// the row scale and bias. So an output's bits do not depend on how many rows its batch has, nor on
+// the build (AVX2 or VNNI).
 constexpr int SLAB = 16;  // weight rows per slab
 
 inline int32_t load4(const int8_t* p) {
@@ -320,7 +313,6 @@ inline void vfma_codes(float* f, const float* side, const int8_t* codes, int n, 
     _mm256_storeu_ps(f, acc);
 }
 #endif
-constexpr int NV = NS * SLAB / VR;  // accumulator vectors per activation row
 
 struct Int8Args {
     const int8_t* w;
@@ -379,12 +371,9 @@ void int8_group(const Int8Args& p, const Acts& a, int s0, int m0, int g, int k0,
     SB_EACH(SB_INIT)
     for (int k = k0; k < end; k += 4) {
         const size_t at = static_cast<size_t>(k) * SLAB;
-        if (stream) {  // one 64-byte line per slab and quad
-            _mm_prefetch(reinterpret_cast<const char*>(wp0 + at) + SB_PREFETCH, _MM_HINT_T0);
-            if constexpr (ns > 1) _mm_prefetch(reinterpret_cast<const char*>(wp0 + slab_bytes + at) + SB_PREFETCH, _MM_HINT_T0);
-            if constexpr (ns > 2) _mm_prefetch(reinterpret_cast<const char*>(wp0 + 2 * slab_bytes + at) + SB_PREFETCH, _MM_HINT_T0);
-            if constexpr (ns > 3) _mm_prefetch(reinterpret_cast<const char*>(wp0 + 3 * slab_bytes + at) + SB_PREFETCH, _MM_HINT_T0);
-        }
+        if (stream)  // one 64-byte line per slab and quad
+            for (int j = 0; j < ns; ++j)
+                _mm_prefetch(reinterpret_cast<const char*>(w + j * slab_bytes + at) + SB_PREFETCH, _MM_HINT_T0);
         const VI w0 = vload(wp0 + at);
         const VI w1 = nv > 1 ? vload(wp1 + at) : w0;
         const VI w2 = nv > 2 ? vload(wp2 + at) : w0;
@@ -474,7 +463,7 @@ inline void emit(const float* res, int ld, int m0, int mb, int n0, int nr, int N
 // Blocks of rows split statically over the threads: each thread reads one contiguous part of the weight.
 // `block(b, m0, mb, res)` computes rows m0 .. m0+mb-1 (mb ≤ MT) of one 4-row block.
 template <typename Block>
-void gemm(int M, int N, const float* row_scale, const float* bias, void* out, int out_bf16, Block block) {
+void gemm(int M, int N, const float* bias, void* out, int out_bf16, Block block) {
     const int blocks = (N + ROWS - 1) / ROWS;
 #pragma omp parallel for schedule(static)
     for (int b = 0; b < blocks; ++b) {
@@ -484,7 +473,7 @@ void gemm(int M, int N, const float* row_scale, const float* bias, void* out, in
             const int mb = M - m0 < MT ? M - m0 : MT;
             float res[MT][ROWS];
             block(b, m0, mb, res);
-            emit(&res[0][0], ROWS, m0, mb, n0, nr, N, row_scale, bias, out, out_bf16);
+            emit(&res[0][0], ROWS, m0, mb, n0, nr, N, nullptr, bias, out, out_bf16);
         }
     }
 }
@@ -505,7 +494,7 @@ void sb_int4_linear(const void* x, int x_bf16, int M, int K, int N, const uint8_
     const Acts a(x, x_bf16, M, K, G);
     const int groups = K / G;
     const size_t bytes = int4_block_bytes(groups);
-    gemm(M, N, nullptr, bias, out, out_bf16, [&](int b, int m0, int mb, float res[MT][ROWS]) {
+    gemm(M, N, bias, out, out_bf16, [&](int b, int m0, int mb, float res[MT][ROWS]) {
         for (int m = 0; m < mb; ++m) int4_block(w + b * bytes, groups, a, m0 + m, res[m]);
     });
 }
