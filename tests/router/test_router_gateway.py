@@ -34,7 +34,7 @@ from core.settings import Settings
 from engines.async_engine import AsyncEngine
 from gateway.app import create_app
 from gateway.cli import main
-from gateway.deps import app_services
+from gateway.deps import app_services, running_pipeline
 from gateway.shadow import LABELS_FILE
 from gateway.tenants import create_tenant, tenant_by_name
 from live import LiveServer, serve_gateway, start_server
@@ -447,3 +447,41 @@ def test_the_drift_window_compares_like_with_like() -> None:
     for large, expected in ((False, 0.25), (False, 0.25), (True, 0.5), (False, 0.5)):
         window.add(large, expected)
     assert window.shares() == Shares(4, 0.25, 0.375)  # the first decision fell out of the window
+
+
+def stored_prompts(gateway: Gateway) -> tuple[dict[int, list[str]], dict[int, str]]:
+    """Two tenants that store routed prompts each send their own prompt through `auto`: what each tenant's
+    store holds afterwards, and what each sent, by tenant id."""
+    tenants = [gateway.tenant(store_prompts=True) for _ in range(2)]
+    sent = {t: f"{HARD} ({uuid.uuid4().hex[:6]})" for _, _, t in tenants}  # two distinct conversations
+    ids = []
+    for _, key, t in tenants:
+        r = gateway.chat(key, sent[t])
+        assert r.status_code == 200
+        ids.append(r.json()["id"])
+    deadline = time.monotonic() + 30
+    with gateway.live.db.session() as s:
+        stored = sa.select(sa.func.count()).where(RoutedPrompt.request_id.in_(ids))
+        while s.scalar(stored) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    store = RoutedPromptStore(gateway.live.db)
+    return {t: [m[0]["content"] for m in store.recent(t)] for t in sent}, sent
+
+
+def test_two_storing_tenants_each_keep_only_their_own_routed_prompts(gateway: Gateway) -> None:
+    kept, sent = stored_prompts(gateway)
+    assert kept == {t: [content] for t, content in sent.items()}
+
+
+def test_the_routed_prompt_check_sees_a_swapped_tenant_id(gateway: Gateway) -> None:
+    store = running_pipeline(gateway.live.app).routing.prompts
+    add = store.add
+    # the deliberately broken gateway: each prompt stored under the id before its tenant's (the tenants
+    # of `stored_prompts` are made one after the other, so the second tenant's goes to the first)
+    store.add = lambda tenant_id, *args: add(tenant_id - 1, *args)  # type: ignore[method-assign]
+    try:
+        kept, sent = stored_prompts(gateway)
+    finally:
+        del store.add
+    one, two = sent
+    assert kept == {one: [sent[two]], two: []}  # what the check above fails on
