@@ -1,26 +1,48 @@
-"""The verifier cascade through a live gateway: an answer that fails the tenant's checks is retried on the
-large tier, and both attempts are billed. Both tiers are SmolLM2 (they differ in name, price and ledger
-row, which is what the cascade's accounting is about)."""
+"""The verifier cascade through a live gateway, on SQLite and PostgreSQL: an answer that fails the tenant's
+checks is retried on the large tier, and both attempts are billed, once each, also when the retry fails or
+its client leaves; the budget counters then hold what the ledger billed. Both tiers are SmolLM2 (they
+differ in name, price and ledger row, which is what the cascade's accounting is about); the large one is
+held or failed by the test (`held_engine.HeldEngine`)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
 import uuid
 from collections.abc import Iterator
 from decimal import Decimal
 
 import httpx
 import pytest
+import sqlalchemy as sa
+from held_engine import HeldEngine
 
+import services
 from core.db.database import Database
+from core.db.models import Usage
 from engines.async_engine import AsyncEngine
-from gateway.tenants import create_key, create_tenant
+from gateway.deps import app_services
+from gateway.tenants import authenticate, create_key, create_tenant
 from live import LiveServer, start_server
 
 POLICY = {"verifiers": {"checks": ["math"], "cascade": True, "cascade_to": "large"}}
 
 
 @pytest.fixture(scope="module")
-def live(small_engine: AsyncEngine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+def large(small_engine: AsyncEngine) -> HeldEngine:
+    """The large tier: the same SmolLM2, whose next generation a test can hold or fail."""
+    return HeldEngine(small_engine)
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def live(
+    request: pytest.FixtureRequest,
+    small_engine: AsyncEngine,
+    large: HeldEngine,
+    redis_server: str,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[LiveServer]:
     from answer_samples import apple_answers
 
     from core.settings import Settings
@@ -30,15 +52,25 @@ def live(small_engine: AsyncEngine, tmp_path_factory: pytest.TempPathFactory) ->
 
     home = tmp_path_factory.mktemp("cascade")
     AnswerProbe.train(*apple_answers(), RouterEncoder()).save(home / "probe")  # the gateway loads it from home
-    url = f"sqlite:///{home / 'switchboard.db'}"
+    if request.param == "sqlite":
+        url, drop = f"sqlite:///{home / 'switchboard.db'}", None
+    else:
+        url, drop = services.create_database(request.getfixturevalue("postgres_server"))
     db = Database(url)
-    settings = Settings(home=home, database_url=url, tiers={"small": {"model": "unused"}, "large": {"model": "unused"}})
-    server, stop = start_server(
-        create_app(settings, engines={"small": small_engine, "large": small_engine}, database=db), db
+    settings = Settings(
+        home=home,
+        database_url=url,
+        redis_url=redis_server,  # budgets counted in Redis, as replicas share them
+        redis_namespace=f"sbtest-{uuid.uuid4().hex[:10]}",
+        tiers={"small": {"model": "unused"}, "large": {"model": "unused"}},
     )
+    engines = {"small": small_engine, "large": large}
+    server, stop = start_server(create_app(settings, engines=engines, database=db), db)  # type: ignore[arg-type]
     yield server
     stop()
     db.dispose()
+    if drop:
+        drop()
 
 
 def tenant_key(live: LiveServer, policy: dict) -> str:
@@ -119,3 +151,102 @@ def test_the_probe_check_escalates_below_its_threshold(live: LiveServer, thresho
         assert first.verifier_actions[0]["reason"].startswith("P(right) ")
     else:
         assert r.headers["x-switchboard-verifiers"] == "none"
+
+
+# --- the retry failing or cancelled: each attempt billed once, the counters equal the ledger -------------------
+
+BUDGETED = {**POLICY, "budgets": [{"period": "monthly", "money": "100"}]}
+HELLO = "Say hello to my friend Anna in one short sentence."  # no number: the math check fails
+
+
+def tenant_rows(live: LiveServer, key: str) -> list[Usage]:
+    who = authenticate(live.db, key)
+    assert who is not None
+    with live.db.session() as s:
+        return list(s.scalars(sa.select(Usage).where(Usage.tenant_id == who.tenant_id).order_by(Usage.created_at)))
+
+
+def settled(live: LiveServer, key: str, rows: int) -> list[Usage]:
+    """The tenant's ledger rows once there are `rows` of them, each settled (billed once: `wait_for_usage`)."""
+    deadline = time.monotonic() + 30
+    while len(found := tenant_rows(live, key)) < rows and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for row in found:
+        live.wait_for_usage(row.request_id)
+    return tenant_rows(live, key)
+
+
+def counted(live: LiveServer, key: str) -> tuple[Decimal, int]:
+    """What the budget counters hold for the tenant this month (reservations in flight included)."""
+    from policies.budgets import Budgets
+    from policies.counters import RedisCounters
+
+    who = authenticate(live.db, key)
+    assert who is not None
+    budgets = app_services(live.app).budgets
+
+    async def read() -> tuple[Decimal, int]:
+        fresh = Budgets(live.db, RedisCounters(services.redis_url(), budgets.ns), budgets.ns)  # this loop's client
+        try:
+            return await fresh.spent(who.tenant_id, "monthly")
+        finally:
+            await fresh.counters.close()
+
+    return asyncio.run(read())
+
+
+def counters_equal_the_ledger(live: LiveServer, key: str, rows: list[Usage]) -> None:
+    """Once every reservation is settled, the counters hold exactly what the ledger billed."""
+    ledger = (sum((r.cost for r in rows), Decimal(0)), sum(r.prompt_tokens + r.completion_tokens for r in rows))
+    deadline = time.monotonic() + 10
+    while counted(live, key) != ledger and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert counted(live, key) == ledger
+
+
+def test_a_retry_that_fails_leaves_the_first_answer_and_two_rows(live: LiveServer, large: HeldEngine) -> None:
+    key = tenant_key(live, BUDGETED)
+    gate = large.hold_next(after=1, fail=True)  # the retry's engine errs after its first output
+    gate.opened.set()
+    r = ask(live, key, HELLO)
+    assert r.status_code == 200, r.text  # the first answer stands
+    assert r.headers["x-switchboard-tier"] == "small"
+    first_id = r.json()["id"]
+    rows = settled(live, key, 2)
+    assert [(row.tier, row.status) for row in rows] == [("small", "escalated"), ("large", "error")]
+    assert rows[0].request_id == first_id and all(row.cost > 0 for row in rows)  # the error ran: billed
+    assert r.json()["usage"]["completion_tokens"] == rows[0].completion_tokens
+    counters_equal_the_ledger(live, key, rows)
+
+
+def test_a_client_that_leaves_during_the_retry_is_billed_for_both_attempts_once(
+    live: LiveServer, large: HeldEngine
+) -> None:
+    key = tenant_key(live, BUDGETED)
+    gate = large.hold_next(after=2)  # the retry holds after two outputs until the client has gone
+    opened = large.opened
+
+    async def leave() -> None:
+        async with httpx.AsyncClient(base_url=live.base_url, timeout=120) as client:
+            body = {"model": "small", "messages": [{"role": "user", "content": HELLO}], "temperature": 0}
+            post = client.post(
+                "/v1/chat/completions",
+                json={**body, "max_tokens": 40, "cache": "no-store"},
+                headers={"Authorization": f"Bearer {key}"},
+            )
+            task = asyncio.create_task(post)
+            while large.opened == opened:  # the retry has started on the large tier
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.3)  # its first outputs pass, then it is held
+            task.cancel()  # the client hangs up
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    asyncio.run(leave())
+    try:
+        rows = settled(live, key, 2)
+    finally:
+        gate.opened.set()
+    assert [(row.tier, row.status) for row in rows] == [("small", "escalated"), ("large", "aborted")]
+    assert rows[1].completion_tokens < 40 and all(row.cost > 0 for row in rows)
+    counters_equal_the_ledger(live, key, rows)
