@@ -4,6 +4,7 @@ that equal the raw ledger."""
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Iterator
 from decimal import Decimal
@@ -207,3 +208,55 @@ def test_reports_equal_the_raw_ledger(live_server: LiveServer, keys: dict[str, s
         "tenant,day,tier,model"
     )
     assert Decimal(csv.text.splitlines()[1].split(",")[-2]) == raw[4]
+
+
+MONEY_KEY = re.compile(r"cost|saved|spent|spend|money|price|amount|usd", re.IGNORECASE)
+NOT_MONEY = re.compile(r"share|rate|ratio|pct|tokens|count", re.IGNORECASE)  # saved_share: a fraction
+
+
+def money_values(found: object, path: str = "", money: bool = False) -> Iterator[tuple[str, object]]:
+    """(path, value) of every field whose name, or whose container's name, says it is money (`prices`'
+    entries too), anywhere in a JSON document; null values (a price left to its default) are skipped."""
+    items = found.items() if isinstance(found, dict) else enumerate(found) if isinstance(found, list) else []
+    for k, v in items:
+        here = f"{path}.{k}" if isinstance(k, str) else f"{path}[{k}]"
+        named = isinstance(k, str) and bool(MONEY_KEY.search(k)) and not NOT_MONEY.search(k)
+        is_money = (money or named) and not (isinstance(k, str) and NOT_MONEY.search(k))
+        if isinstance(v, dict | list):
+            yield from money_values(v, here, is_money)
+        elif is_money and v is not None:
+            yield here, v
+
+
+def test_money_in_every_json_response_is_a_decimal_string(
+    live_server: LiveServer, keys: dict[str, str], ask: object
+) -> None:
+    a = keys["a"]
+    ask(keys["a_app"])  # type: ignore[operator]
+    admin = keys["a_admin"]
+    with http(live_server, admin) as adm:  # prices and a money budget in the policy
+        policy = {
+            "budgets": [{"period": "monthly", "money": "12.50"}],
+            "prices": {t: {"prompt": "0.3", "completion": "0.9"} for t in ("small", "large")},
+        }
+        r = adm.put(f"/v1/admin/tenants/{a}/policy", json=policy)
+        assert r.status_code == 200, r.text
+    path = f"/v1/admin/tenants/{a}/policy"
+    reads = [
+        (keys["a_app"], "GET", "/v1/usage", None),
+        (keys["a_finance"], "GET", "/v1/finance/costs?group_by=day,tier,model", None),
+        (keys["a_finance"], "GET", "/v1/finance/savings", None),
+        (keys["a_finance"], "GET", path, None),
+        (admin, "GET", f"{path}/versions", None),
+        (admin, "POST", f"{path}/dry-run", {"policy": {"sampling": {"max_tokens_cap": 1}}}),
+    ]
+    seen = 0
+    for key, method, url, body in reads:
+        with http(live_server, key) as client:
+            r = client.request(method, url, json=body)
+        assert r.status_code == 200, (url, r.text)
+        for where, value in money_values(r.json()):
+            seen += 1
+            assert isinstance(value, str), f"{url}{where} is {value!r}, not a decimal string"
+            Decimal(value)  # raises on anything but a number
+    assert seen >= 20  # costs, savings by lever, prices and the budget were all looked at
