@@ -74,15 +74,21 @@ def counted(live: LiveServer, tenant_id: int) -> tuple[Decimal, int]:
     return asyncio.run(read())
 
 
-def test_concurrent_requests_never_overspend_a_hard_budget(server: LiveServer) -> None:
+def test_concurrent_plain_and_streamed_requests_never_overspend_a_hard_budget(server: LiveServer) -> None:
     budget = Decimal("2.60")  # about 50 worst cases: ~36 prompt tokens + 8 completion at these prices
     key, tenant = tenant_with(server, {"budgets": [{"period": "daily", "money": str(budget)}]})
 
     async def ask(client: openai.AsyncOpenAI, i: int) -> str:
         try:
-            await client.chat.completions.create(
-                model="small", messages=QUESTION, max_tokens=8, temperature=1.0, seed=i
-            )
+            body: dict = {"model": "small", "messages": QUESTION, "max_tokens": 8, "temperature": 1.0, "seed": i}
+            if i % 2:  # half of them streamed: a stream's reservation is settled when it ends, like any other
+                stream = await client.chat.completions.create(
+                    **body, stream=True, stream_options={"include_usage": True}
+                )
+                usage = [chunk.usage async for chunk in stream if chunk.usage]
+                assert len(usage) == 1 and usage[0].completion_tokens > 0
+            else:
+                await client.chat.completions.create(**body)
             return "ok"
         except openai.RateLimitError as exc:
             assert exc.status_code == 429 and exc.code == "insufficient_quota", exc.body
