@@ -225,3 +225,25 @@ def test_a_chat_request_logs_its_id_and_never_its_text(server: LiveServer, json_
     health = [e for e in map(json.loads, json_logs.getvalue().splitlines()) if e.get("path") == "/healthz"]
     assert health and health[0]["request_id"] == "rid-from-client-42"
     assert len(httpx.get(f"{server.base_url}/healthz").headers["x-request-id"]) == 32
+
+
+def test_metrics_and_logs_name_no_tenant_and_no_key(server: LiveServer, json_logs: io.StringIO) -> None:
+    """Metrics are labelled by tier, never by tenant: a scrape (which an operator may share) tells nothing of
+    who sent what, and neither do the logs. Two tenants with unmistakable names send a request each."""
+    from gateway.tenants import create_tenant
+
+    tenants = {f"acme-{uuid.uuid4().hex[:8]}": None, f"globex-{uuid.uuid4().hex[:8]}": None}
+    for name in tenants:
+        issued = create_tenant(server.db, name)
+        who = authenticate(server.db, issued.key)
+        assert who is not None
+        tenants[name] = (issued.key, who.tenant_id)  # type: ignore[assignment]
+        client = openai.OpenAI(api_key=issued.key, base_url=f"{server.base_url}/v1", max_retries=0, timeout=120)
+        client.chat.completions.create(model="small", messages=QUESTION, max_tokens=4, seed=1)
+    r = httpx.get(f"{server.base_url}/metrics", timeout=30)
+    labels = {k for family in text_string_to_metric_families(r.text) for s in family.samples for k in s.labels}
+    assert labels and not {k for k in labels if "tenant" in k or "key" in k or "user" in k}
+    logs = json_logs.getvalue()
+    for name, (key, _) in tenants.items():  # type: ignore[misc]
+        assert name not in r.text and key not in r.text
+        assert name not in logs and key not in logs and key[:16] not in logs

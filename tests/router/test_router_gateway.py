@@ -39,6 +39,7 @@ from gateway.shadow import LABELS_FILE
 from gateway.tenants import create_tenant, tenant_by_name
 from live import LiveServer, serve_gateway, start_server
 from policies.policy import Policy, RouterSettings
+from policies.tune_prompts import tenant_prompts
 from router_model.drift import LargeShareWindow, Shares
 from router_model.encoder import RouterEncoder
 from router_model.examples import split_examples
@@ -471,6 +472,9 @@ def stored_prompts(gateway: Gateway) -> tuple[dict[int, list[str]], dict[int, st
 def test_two_storing_tenants_each_keep_only_their_own_routed_prompts(gateway: Gateway) -> None:
     kept, sent = stored_prompts(gateway)
     assert kept == {t: [content] for t, content in sent.items()}
+    for t, content in sent.items():  # policy tuning samples a tenant's stored prompts: its own only
+        sampled = tenant_prompts(gateway.live.db, t, 10, ["small", "large"])
+        assert [p.messages[0]["content"] for p in sampled] == [content]
 
 
 def test_the_routed_prompt_check_sees_a_swapped_tenant_id(gateway: Gateway) -> None:
