@@ -73,6 +73,11 @@ class TierSettings(BaseModel):
     max_retries: int = Field(2, ge=0, le=10, description="retries of a remote call that failed before its first token")
     breaker_failures: int = Field(5, ge=1, description="consecutive remote failures that open the circuit")
     breaker_cooldown_s: float = Field(30.0, gt=0, description="how long an open circuit refuses calls")
+    prompt_format: Literal["tokens", "text"] = Field(
+        "tokens",
+        description="prompts go to the remote as token ids, or as their text for servers that take only text "
+        "(llama-cpp-python's)",
+    )
     fallback: str | None = Field(None, description="the tier serving this one's requests while it is down")
 
     @property

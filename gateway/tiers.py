@@ -104,6 +104,7 @@ def load_remote(settings: Settings, name: str, tier: TierSettings) -> RemoteEngi
         max_retries=tier.max_retries,
         breaker_failures=tier.breaker_failures,
         breaker_cooldown_s=tier.breaker_cooldown_s,
+        prompt_format=tier.prompt_format,
     )
     model_dir = registry_model_dir(settings.home_dir, tier.model) if tier.is_registry_model else Path(tier.model)
     engine = RemoteEngine.from_dir(model_dir.expanduser(), config, name=name, max_model_len=tier.max_model_len)

@@ -1,7 +1,8 @@
 """A tier served by another OpenAI-compatible server: vLLM, SGLang, llama.cpp's server, another switchboard.
 
 Prompts are tokenized here with the tier's own tokenizer, exactly as for an in-process tier, and each
-engine request goes out as one streaming `POST {url}/v1/completions` whose `prompt` is the token ids;
+engine request goes out as one streaming `POST {url}/v1/completions` whose `prompt` is the token ids (or,
+for servers that take only text, such as llama-cpp-python's, those ids decoded back to their text);
 the remote's text deltas come back as `RequestOutput`s as they arrive. Choices of one request (n > 1)
 are separate calls running concurrently, merged into one stream.
 
@@ -22,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from email.utils import parsedate_to_datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 
@@ -54,6 +55,9 @@ class RemoteConfig:
     max_retry_after_s: float = 5.0  # a longer `retry-after` is cut to this
     breaker_failures: int = 5
     breaker_cooldown_s: float = 30.0
+    # How the prompt goes out: its token ids, or their text (special tokens spelled out) for a server
+    # whose /v1/completions takes only strings; that server tokenizes it again, and we bill our own count.
+    prompt_format: Literal["tokens", "text"] = "tokens"
 
 
 @dataclass(frozen=True)
@@ -333,11 +337,16 @@ class RemoteEngine:
                 return None
         return min(max(seconds, 0.0), self.config.max_retry_after_s)
 
+    def _prompt(self, ids: list[int]) -> list[int] | str:
+        if self.config.prompt_format == "tokens":
+            return ids
+        return self._tokenizer.backend.decode(ids, skip_special_tokens=False)
+
     def _body(self, request: EngineRequest) -> dict[str, Any]:
         p = request.params
         body: dict[str, Any] = {
             "model": self.config.model,
-            "prompt": request.prompt_token_ids,
+            "prompt": self._prompt(request.prompt_token_ids),
             "max_tokens": p.max_tokens,
             "temperature": p.temperature,
             "top_p": p.top_p,

@@ -213,6 +213,19 @@ def test_failures_before_the_first_token_are_retried(
     }  # no top_k: it is only sent when set
 
 
+def test_a_text_prompt_for_servers_that_take_no_token_ids(stub: tuple[Stub, str], smollm2_dir: Path) -> None:
+    """`prompt_format = "text"` (llama-cpp-python's server): the prompt goes out as the text of its ids, special
+    tokens spelled out, which is the rendered chat template itself; the prompt tokens counted are still ours."""
+    s, url = stub
+    engine = remote_engine(smollm2_dir, url, prompt_format="text")
+    messages = [{"role": "user", "content": "Name the capital of France."}]
+    ids = engine.tokenizer.encode_chat(messages)
+    outs = asyncio.run(run(engine, EngineRequest("r-0", ids, SamplingParams(max_tokens=5))))
+    assert s.bodies[0]["prompt"] == engine.tokenizer.render_chat(messages)
+    assert "<|im_start|>user\nName the capital of France.<|im_end|>" in s.bodies[0]["prompt"]
+    assert outs[-1].prompt_tokens == len(ids) and outs[-1].finish_reason is FinishReason.LENGTH
+
+
 def test_top_k_and_concurrent_choices_merge_into_one_stream(stub: tuple[Stub, str], tiny_dir: Path) -> None:
     s, url = stub
     params = SamplingParams(max_tokens=5, temperature=0.7, top_k=3)
