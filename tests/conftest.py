@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 import services
+import skip_audit
 
 if TYPE_CHECKING:  # the engine and the gateway load only for the tests that ask for them
     from engines.async_engine import AsyncEngine
@@ -35,6 +36,14 @@ os.environ["SWITCHBOARD_ROUTER_AUTO_TRAIN"] = "false"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 MODELS_HOME = Path(os.environ.get("SWITCHBOARD_HOME", "~/.cache/switchboard")).expanduser()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    skip_audit.add_option(parser)  # --only-gpu-skips, which .ci/run passes
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    skip_audit.configure(config)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,15 @@ import services
 from core.db.database import Database
 from core.db.models import Usage
 from engines.async_engine import AsyncEngine
+from gateway.deps import running_pipeline
+from gateway.ledger import UsageRecord
 from gateway.tenants import create_tenant
+
+# How long a request's usage row must have been stored before `wait_for_usage` returns it: a second billing
+# of the same request (an abort racing the end of its stream, say) attempted within it fails the wait.
+# Counted from the row's `created_at` (set when the request is priced, just before the write), so rows
+# stored a while ago, as when a test checks a batch of requests in turn, cost no wait.
+SETTLE_SECONDS = 1.5
 
 
 @dataclass
@@ -25,6 +35,9 @@ class LiveServer:
     base_url: str
     db: Database
     app: FastAPI
+    # Ledger writes per request id: the request id is the ledger's primary key, so a second billing of
+    # one request adds no row (the database refuses it); it shows here.
+    ledger_writes: Counter[str] = field(default_factory=Counter)
 
     def new_key(self, tenant: str | None = None) -> str:
         return create_tenant(self.db, tenant or f"t-{uuid.uuid4().hex[:10]}").key
@@ -37,13 +50,41 @@ class LiveServer:
             return list(s.scalars(q))
 
     def wait_for_usage(self, request_id: str, timeout: float = 15.0) -> list[Usage]:
+        """The request's usage rows once it is billed and settled; [] if none is stored within `timeout`.
+
+        Settled: the row has been stored `SETTLE_SECONDS`, and fails if the gateway wrote the request's
+        usage more than once meanwhile (a duplicate the ledger refused leaves one row, so the rows alone
+        would not show it)."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.usage_rows(request_id=request_id):
-                time.sleep(0.2)  # a duplicate, if there were one, would land right after
-                return self.usage_rows(request_id=request_id)
+        while not (rows := self.usage_rows(request_id=request_id)):
+            if time.monotonic() > deadline:
+                return []
             time.sleep(0.05)
-        return []
+        newest = max(_utc(row.created_at) for row in rows)
+        if (wait := SETTLE_SECONDS - (datetime.now(UTC) - newest).total_seconds()) > 0:
+            time.sleep(wait)
+        rows = self.usage_rows(request_id=request_id)
+        writes = self.ledger_writes[request_id]
+        assert writes <= len(rows), f"usage for {request_id} was written {writes} times: billed twice"
+        return rows
+
+    def count_ledger_writes(self) -> None:
+        """Count this gateway's ledger writes by request id (`ledger_writes`), once it has started."""
+        pipeline = running_pipeline(self.app)
+        if pipeline is None:  # not a gateway app
+            return
+        ledger, write = pipeline.ledger, pipeline.ledger.write
+
+        async def counted(rec: UsageRecord) -> None:
+            self.ledger_writes[rec.request_id] += 1
+            await write(rec)
+
+        ledger.write = counted  # type: ignore[method-assign]
+
+
+def _utc(moment: datetime) -> datetime:
+    """SQLite hands timestamps back without their zone; they are UTC."""
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
 def run_in_thread(
@@ -71,7 +112,9 @@ def run_in_thread(
 
 def start_server(app: FastAPI, db: Database) -> tuple[LiveServer, Callable[[], None]]:
     url, stop = run_in_thread(app)
-    return LiveServer(url, db, app), stop
+    live = LiveServer(url, db, app)
+    live.count_ledger_writes()
+    return live, stop
 
 
 def serve_gateway(

@@ -3,6 +3,12 @@
 Order of preference: `SWITCHBOARD_TEST_POSTGRES_URL` / `SWITCHBOARD_TEST_REDIS_URL`, then the servers
 on 127.0.0.1 (5432, database `test`; 6379), then fresh instances started here from the installed
 server binaries on free ports, stopped when the test session ends.
+
+Missing server binaries fail, they never skip. The throwaway servers above are how a fresh machine without
+PostgreSQL or Redis running runs this suite at all, so the binaries are part of what the suite needs; the
+outage tests, which stop and start a server of their own (`RedisServer`, `PostgresCluster`), get them the
+same way and fail the same way, with a message naming what to install. A skip there would hide that the
+outage tests did not run (and `.ci/run` fails on any skip that is not GPU-only: tests/skip_audit.py).
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -72,7 +79,23 @@ def stop_all() -> None:
 def _pg_binary(name: str) -> str:
     found = shutil.which(name) or next(iter(sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"), reverse=True)), None)
     if not found:
-        raise RuntimeError(f"no PostgreSQL reachable on 127.0.0.1:5432 and no `{name}` binary to start one")
+        raise RuntimeError(
+            f"no `{name}` binary: the tests start PostgreSQL servers of their own (a throwaway one where none "
+            "answers on 127.0.0.1:5432, and one to stop and restart in the outage tests); install PostgreSQL's "
+            "server (Debian: apt-get install postgresql)"
+        )
+    return found
+
+
+def redis_binary() -> str:
+    """The `redis-server` binary; RuntimeError naming what to install where there is none (see above)."""
+    found = shutil.which("redis-server")
+    if not found:
+        raise RuntimeError(
+            "no `redis-server` binary: the tests start Redis servers of their own (a throwaway one where none "
+            "answers on 127.0.0.1:6379, and ones to kill and restart in the outage tests); install Redis's "
+            "server (Debian: apt-get install redis-server)"
+        )
     return found
 
 
@@ -120,10 +143,7 @@ class RedisServer:
     again on the same port: an outage after which Redis comes back empty."""
 
     def __init__(self) -> None:
-        binary = shutil.which("redis-server")
-        if not binary:
-            raise RuntimeError("no Redis reachable on 127.0.0.1:6379 and no `redis-server` binary to start one")
-        self.binary = binary
+        self.binary = redis_binary()
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -146,6 +166,14 @@ class RedisServer:
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
+            self.proc.wait(10)
+        self.proc = None
+
+    def kill(self) -> None:
+        """A crash: SIGKILL, nothing flushed or closed (resumed first, in case a test froze it)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+            self.proc.kill()
             self.proc.wait(10)
         self.proc = None
 

@@ -79,7 +79,9 @@ def test_split_runs_fewer_neurons_and_serves(tmp_path: Path) -> None:
         dense, tmp_path / "moe", experts=4, top_k=1, method="split", calibration_ids=CALIBRATION, progress=False
     )
     assert report is not None and report.active_mlp_fraction == 0.25
-    assert 0.25 <= report.router_recall <= 1.0
+    # Chance is 0.25 (top-1 of 4 experts); this split's router measured 0.5964, the same every run (seeded
+    # model, calibration and k-means) on an AMD EPYC (avx512_bf16, no AMX), torch 2.13, scikit-learn's KMeans.
+    assert report.router_recall == pytest.approx(0.5964, abs=0.05)
     engine = Engine.from_dir(tmp_path / "moe", dtype="fp32")
     engine.add_request(
         EngineRequest("m", list(range(1, 20)), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))

@@ -129,8 +129,10 @@ def test_cli_models_eval_json(
 
 @pytest.mark.slow
 def test_smollm2_quality(smollm2_dir: Path) -> None:
-    """The real data and model, kept small: held-out perplexity in a sane range, GSM8K runs end to end."""
+    """The real data and model, kept small: held-out perplexity where SmolLM2 puts it, GSM8K runs end to end."""
     engine = Engine.from_dir(smollm2_dir, dtype="bf16")
     result = quality.evaluate(engine, smollm2_dir.parent.parent, ppl_tokens=1024, gsm8k=4, max_tokens=64)
-    assert 2 < result["perplexity"] < 30
+    # Measured 12.4773, the same every run, on an AMD EPYC (avx512_bf16, no AMX), torch 2.13; fp32 gives
+    # 12.4508 there. 5% leaves room for other CPUs' bf16 matmuls, twenty times the bf16-fp32 gap.
+    assert result["perplexity"] == pytest.approx(12.48, rel=0.05)
     assert result["ppl_tokens"] == 1024 and result["gsm8k_n"] == 4

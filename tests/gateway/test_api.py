@@ -227,7 +227,12 @@ def test_malformed_bodies_are_4xx_never_500(live_server: LiveServer, key: str) -
         400,
         param="echo",
     )
-    assert live_server.usage_rows(request_id="never") == []
+    # None of those was billed: the key's only row is the one request that ran, sent last.
+    ran = httpx.post(url, json={"model": "small", "messages": MESSAGES, "max_tokens": 2}, headers=headers, timeout=60)
+    assert ran.status_code == 200, ran.text
+    (row,) = live_server.wait_for_usage(ran.json()["id"])
+    assert [r.request_id for r in live_server.usage_rows(tenant_id=row.tenant_id)] == [row.request_id]
+    assert live_server.usage_rows(request_id=f"{row.request_id}-never-sent") == []
 
 
 def test_usage_is_recorded_exactly_once_per_request(live_server: LiveServer, client: openai.OpenAI) -> None:

@@ -4,8 +4,6 @@ restarted with no failed request."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from decimal import Decimal
@@ -125,32 +123,18 @@ def test_bypass_nondeterministic_and_ttl(server: LiveServer) -> None:
 
 
 def test_redis_down_mid_test_serves_every_request_and_recovers(small_engine: AsyncEngine, tmp_path: Path) -> None:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("needs redis-server to start and stop a Redis of its own")
-    port = services.free_port()
-    cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-
-    def start() -> subprocess.Popen:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while not services.reachable(port):
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        return proc
-
-    redis_proc = start()
-    live, stop = gateway(small_engine, tmp_path, f"redis://127.0.0.1:{port}/0")
+    redis = services.RedisServer()  # of its own, to kill and restart (no `redis-server`: fails, saying so)
+    redis.start()
+    live, stop = gateway(small_engine, tmp_path, redis.url)
     try:
         client, tid = tenant(live)
         assert chat(client).headers["x-switchboard-cache"] == "miss"
         assert chat(client).headers["x-switchboard-cache"] == "hit"
-        redis_proc.kill()
-        redis_proc.wait(10)
+        redis.kill()
         for _ in range(4):  # Redis is gone: every request still answers, from the engine
             r = chat(client)
             assert r.headers["x-switchboard-cache"] == "miss"
-        redis_proc = start()  # back, empty
+        redis.start()  # back on the same port, empty
         deadline = time.monotonic() + 30
         while chat(client).headers["x-switchboard-cache"] != "hit":  # stored again once reachable
             assert time.monotonic() < deadline, "the cache did not come back"
@@ -161,4 +145,4 @@ def test_redis_down_mid_test_serves_every_request_and_recovers(small_engine: Asy
         assert spent > 0
     finally:
         stop()
-        redis_proc.kill()
+        redis.kill()

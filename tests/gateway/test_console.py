@@ -3,11 +3,14 @@ admin-and-finance flow in headless Chromium. SQLite only: the API tests cover Po
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from decimal import Decimal
 from pathlib import Path
 
 import httpx
@@ -166,8 +169,6 @@ def test_an_invalid_policy_is_shown_back_with_each_field_path(console: Console) 
 
 
 def test_a_tuning_proposal_is_shown_with_its_evidence_and_applied_from_the_console(console: Console) -> None:
-    from decimal import Decimal
-
     import numpy as np
 
     from policies.tune_report import plot_png
@@ -243,12 +244,43 @@ def test_revoking_the_key_ends_its_sessions(console: Console) -> None:
     assert r.status_code == 303 and r.headers["location"] == "/console/login"
 
 
-def test_finance_csv_is_scoped_to_the_session(console: Console) -> None:
-    beta_finance = create_key(console.live.db, "beta", "finance").key
-    client = signed_in(console, beta_finance)
-    r = client.get("/console/finance.csv")
+def finance_csv(client: httpx.Client, query: str = "") -> list[dict[str, str]]:
+    r = client.get(f"/console/finance.csv{query}")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/csv")
-    assert "acme" not in r.text
+    return list(csv.DictReader(io.StringIO(r.text)))
+
+
+def test_finance_csv_is_scoped_to_the_session(console: Console) -> None:
+    # Usage for both tenants first: with none for acme, no CSV could show acme's rows, scoped or not.
+    beta_app = create_key(console.live.db, "beta").key
+    for key, requests in ((console.acme_app, 2), (beta_app, 1)):
+        client = openai.OpenAI(base_url=f"{console.url}/v1", api_key=key, max_retries=0, timeout=120)
+        for i in range(requests):
+            reply = client.chat.completions.create(
+                model="small", messages=[{"role": "user", "content": f"Count to {i + 2}."}], max_tokens=4
+            )
+            assert console.live.wait_for_usage(reply.id)
+    ids = {"acme": console.tenant_id(console.acme_app), "beta": console.tenant_id(beta_app)}
+    ledger = {tenant: console.live.usage_rows(tenant_id=tid) for tenant, tid in ids.items()}
+    assert len(ledger["acme"]) >= 2 and len(ledger["beta"]) == 1
+
+    def totals(rows: list[dict[str, str]], tenant: str) -> tuple[int, Decimal]:
+        mine = [r for r in rows if r["tenant"] == tenant]
+        return sum(int(r["requests"]) for r in mine), sum((Decimal(r["cost"]) for r in mine), Decimal(0))
+
+    def billed(tenant: str) -> tuple[int, Decimal]:
+        return len(ledger[tenant]), sum((r.cost for r in ledger[tenant]), Decimal(0))
+
+    # The operator's finance key sees both tenants, each as the ledger has it...
+    everyone = finance_csv(signed_in(console, console.operator_finance))
+    assert {"acme", "beta"} <= {r["tenant"] for r in everyone}
+    assert totals(everyone, "acme") == billed("acme") and totals(everyone, "beta") == billed("beta")
+    assert billed("beta")[1] > 0  # priced: the cost columns are compared, not two zeros
+    # ...beta's finance key only beta's rows, the same amounts.
+    client = signed_in(console, create_key(console.live.db, "beta", "finance").key)
+    mine = finance_csv(client)
+    assert mine and {r["tenant"] for r in mine} == {"beta"}
+    assert totals(mine, "beta") == billed("beta")
     assert client.get("/console/finance.csv?tenant=acme").status_code == 404
     assert client.get("/console/finance?start=2025-02-01&end=2025-01-01").status_code == 422
 

@@ -6,8 +6,10 @@ import asyncio
 import subprocess
 import sys
 import textwrap
+from datetime import UTC, datetime
 from decimal import Decimal as D
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import sqlalchemy as sa
@@ -78,6 +80,40 @@ def test_a_stored_request_id_fails_alone(database: Database, tmp_path: Path) -> 
     assert results[0] is None and results[2] is None and isinstance(results[1], sa.exc.IntegrityError)
     assert _rows(database) == ["a", "b", "dup"]
     assert _rollup(database) == [("small", 3, D("0.0000000021"))]
+
+
+def test_waiting_for_usage_fails_on_a_request_billed_twice(sqlite_url: str, tmp_path: Path) -> None:
+    """tests/live.py's `wait_for_usage` can fail: a second billing of a request leaves one row (the ledger
+    refuses it), and the wait sees the second write; a request billed once comes back after the settle."""
+    from fastapi import FastAPI
+
+    from live import SETTLE_SECONDS, LiveServer
+
+    db = Database(sqlite_url)
+    db.upgrade()
+    tenant = authenticate(db, create_tenant(db, "acme").key).tenant_id  # type: ignore[union-attr]
+    ledger = Ledger(db, tmp_path / "spool.jsonl")
+    app = FastAPI()
+    app.state.services = SimpleNamespace(pipeline=SimpleNamespace(ledger=ledger))  # what the hook reads
+    live = LiveServer("http://127.0.0.1:1", db, app)
+    live.count_ledger_writes()
+
+    async def main() -> None:
+        await ledger.write(_rec(tenant, "once"))
+        await ledger.write(_rec(tenant, "twice"))
+        with pytest.raises(sa.exc.IntegrityError):
+            await ledger.write(_rec(tenant, "twice"))
+        await ledger.aclose()
+
+    asyncio.run(main())
+    assert _rows(db) == ["once", "twice"] and live.ledger_writes == {"once": 1, "twice": 2}
+    (row,) = live.wait_for_usage("once")
+    stored = row.created_at.replace(tzinfo=UTC)  # SQLite's timestamps come back without their zone
+    assert (datetime.now(UTC) - stored).total_seconds() >= SETTLE_SECONDS
+    with pytest.raises(AssertionError, match="billed twice"):
+        live.wait_for_usage("twice")
+    assert live.wait_for_usage("never", timeout=0.2) == []
+    db.dispose()
 
 
 def test_rows_spooled_while_the_database_is_down_drain_in_the_background(database: Database, tmp_path: Path) -> None:

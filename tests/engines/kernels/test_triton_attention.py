@@ -3,6 +3,7 @@
 The oracle is the torch backend on the same cache: `PagedKVCache.store` for `store_kv` (bit for bit,
 int8 quantization included) and `TorchPagedAttention` for attention (decode-only and mixed batches: GQA
 and not, block sizes 4 and 8, fp32/fp16 and int8 pools, shuffled block ids, stale data in unused slots).
+bf16, which the interpreter cannot run, runs compiled on a CUDA device against the same CPU oracle.
 Each kernel also runs broken on purpose (`triton_support.mutant`) to show its check catches the bug.
 """
 
@@ -19,13 +20,17 @@ import torch
 import triton_support
 
 from engines.kernels import triton_attention as ta
+from engines.kernels import triton_matmul, triton_moe
 from engines.kernels import triton_store as ts
 from engines.kernels.metadata import AttentionMetadata
+from engines.kernels.quantize import quantize_int4
 from engines.kernels.reference import TorchPagedAttention
 from engines.kv.cache import PagedKVCache
 
 DIM, BLOCKS = 16, 48
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}  # max error relative to the output's max magnitude
+# Max error relative to the output's max magnitude. bf16: tests/test_gpu.py's for bf16 ops; the bf16 torch
+# oracle alone is up to 0.009 off fp32 math on the same bf16 inputs here (the int8 pool's mixed batch).
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 # (tokens already cached, new tokens) per sequence, decodes first as the runner orders them. Contexts of
 # 1..40 tokens; in the mixed batch, chunks from position 0 and mid-sequence, one longer than an extend
 # tile (20 > 16), and a 3-token speculative verification.
@@ -33,16 +38,14 @@ BATCHES = {
     "decode": [(0, 1), (4, 1), (16, 1), (39, 1)],
     "mixed": [(3, 1), (0, 1), (25, 1), (0, 7), (12, 5), (6, 20), (33, 3)],
 }
-BF16_SKIP = pytest.mark.skip(
-    reason="the Triton interpreter holds bf16 as raw uint16: tl.dot multiplies the bit patterns and "
-    "fp32->bf16 casts truncate instead of rounding to nearest even (a plain bf16 copy does run)"
-)
-# (query heads, KV heads, block size, model dtype, int8 pool, decode splits)
+# (query heads, KV heads, block size, model dtype, int8 pool, decode splits); bf16 ones run on the GPU.
 CONFIGS = {
     "gqa-bs4-fp32": (4, 2, 4, torch.float32, False, 4),
     "gqa3-bs8-fp16": (6, 2, 8, torch.float16, False, 8),
     "mha-bs8-int8-fp32": (2, 2, 8, torch.float32, True, 1),
     "gqa-bs4-int8-fp16": (4, 2, 4, torch.float16, True, 2),
+    "gqa-bs4-bf16": (4, 2, 4, torch.bfloat16, False, 4),
+    "gqa3-bs8-int8-bf16": (6, 2, 8, torch.bfloat16, True, 2),
 }
 # A split past a short row's end is empty: its log-sum-exp is log(0) = -inf on purpose.
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")
@@ -87,11 +90,16 @@ def expected(config: str, batch: str) -> tuple[torch.Tensor, PagedKVCache]:
     return TorchPagedAttention(cache).forward(0, q, k, v, meta), cache
 
 
-def attention_error(config: str, batch: str) -> tuple[float, PagedKVCache]:
-    """Max |Triton - torch| over the batch relative to the output's magnitude, and the Triton cache."""
+def attention_error(config: str, batch: str, child: str | None = None) -> tuple[float, PagedKVCache]:
+    """Max |Triton - torch| over the batch relative to the output's magnitude, and the Triton cache. bf16 runs
+    the compiled kernels on the GPU in a child process (`triton_support.on_gpu`; `child` names another
+    device for it); the oracle stays the CPU's."""
     cache, q, k, v, meta = scenario(config, batch)
-    cache = copy.deepcopy(cache)
-    out = ta.TritonPagedAttention(cache, num_splits=CONFIGS[config][5]).forward(0, q, k, v, meta)
+    cache, splits = copy.deepcopy(cache), CONFIGS[config][5]
+    if child := child or ("cuda" if CONFIGS[config][3] == torch.bfloat16 else None):
+        out, cache = triton_support.on_gpu("attention", cache, splits, q, k, v, meta, device=child)
+    else:
+        out = ta.TritonPagedAttention(cache, num_splits=splits).forward(0, q, k, v, meta)
     want, _ = expected(config, batch)
     assert out.dtype == q.dtype and out.shape == q.shape
     return ((out.double() - want.double()).abs().max() / want.abs().max()).item(), cache
@@ -102,8 +110,12 @@ def attention_passes(config: str, batch: str) -> bool:
     return error <= TOLERANCE[CONFIGS[config][3]]  # False for NaN too
 
 
+def on_gpu_if_bf16(config: str, dtype: torch.dtype) -> object:
+    return pytest.param(config, marks=triton_support.BF16_NEEDS_CUDA) if dtype == torch.bfloat16 else config
+
+
 @pytest.mark.parametrize("batch", list(BATCHES))
-@pytest.mark.parametrize("config", [*CONFIGS, pytest.param("bf16", marks=BF16_SKIP)])
+@pytest.mark.parametrize("config", [on_gpu_if_bf16(name, c[3]) for name, c in CONFIGS.items()])
 def test_attention_matches_torch_backend(config: str, batch: str) -> None:
     error, cache = attention_error(config, batch)
     assert error <= TOLERANCE[CONFIGS[config][3]], error
@@ -120,11 +132,14 @@ STORE_CASES = {  # model dtype, pool dtype
     "bf16": (torch.bfloat16, None),  # a plain copy: runs under the interpreter
     "int8-fp32": (torch.float32, torch.int8),
     "int8-fp16": (torch.float16, torch.int8),
+    "int8-bf16": (torch.bfloat16, torch.int8),  # bf16 scales (rounded to nearest even): on the GPU
 }
+STORE_ON_GPU = {"int8-bf16"}
 
 
-def store_matches(case: str) -> bool:
-    """store_kv against PagedKVCache.store, bit for bit over the whole pool (untouched slots included)."""
+def store_matches(case: str, child: str | None = None) -> bool:
+    """store_kv against PagedKVCache.store, bit for bit over the whole pool (untouched slots included);
+    bf16 scales on the GPU, in a child process (`child` names another device for it)."""
     dtype, kv_dtype = STORE_CASES[case]
     gen = torch.Generator().manual_seed(1)
     tokens, kv_heads, block_size, blocks = 7, 2, 4, 8
@@ -141,13 +156,41 @@ def store_matches(case: str) -> bool:
     k, v = k.to(dtype), v.to(dtype)
     slots = torch.randperm(blocks * block_size, generator=gen)[:tokens]
     ref.store(1, slots, k, v)
-    ts.store_kv(mine, 1, slots, k, v)
+    if child := child or ("cuda" if case in STORE_ON_GPU else None):
+        mine = triton_support.on_gpu("store", mine, 1, slots, k, v, device=child)
+    else:
+        ts.store_kv(mine, 1, slots, k, v)
     return torch.equal(mine.buffer, ref.buffer) and (ref.scales is None or torch.equal(mine.scales, ref.scales))
 
 
-@pytest.mark.parametrize("case", [*STORE_CASES, pytest.param("int8-bf16", marks=BF16_SKIP)])
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=triton_support.BF16_NEEDS_CUDA) if c in STORE_ON_GPU else c for c in STORE_CASES]
+)
 def test_store_kv_matches_cache_store(case: str) -> None:
     assert store_matches(case)
+
+
+# --- The bf16 cases' trip to the GPU ------------------------------------------------------------------
+
+
+def test_the_gpu_runner_gives_what_this_process_gets() -> None:
+    """`triton_support.on_gpu`, which runs the bf16 cases compiled on a GPU, checked where there is none: its
+    child process runs the same calls interpreted (device "cpu"), inputs and results pickled both ways, and
+    must give what the kernels give here, bit for bit. Every runner, int8 pools and int4 weights included."""
+    assert store_matches("int8-fp16", child="cpu")
+    (here, cache), (there, their_cache) = (attention_error("gqa-bs4-int8-fp16", "mixed", c) for c in (None, "cpu"))
+    assert here <= TOLERANCE[torch.float16] and there == here
+    assert torch.equal(their_cache.buffer, cache.buffer) and torch.equal(their_cache.scales, cache.scales)
+    gen = torch.Generator().manual_seed(5)
+    qw, x, bias = quantize_int4(torch.randn(40, 64, generator=gen) * 0.1, 32), torch.randn(3, 64), torch.randn(40)
+    matmul = ("int4", x, qw.q, qw.scales, qw.zeros, 32, bias)
+    expected = triton_matmul.int4_weight_matmul(x, qw.q, qw.scales, qw.zeros, 32, bias)
+    assert torch.equal(triton_support.on_gpu("matmul", *matmul, device="cpu"), expected)
+    experts, hidden, inter, tokens = 4, 32, 16, 5
+    w_gate_up, w_down = torch.randn(experts, 2 * inter, hidden) / 6, torch.randn(experts, hidden, inter) / 4
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:2] for _ in range(tokens)])
+    moe = (torch.randn(tokens, hidden), w_gate_up, w_down, torch.rand(tokens, 2), ids)
+    assert torch.equal(triton_support.on_gpu("moe", *moe, device="cpu"), triton_moe.fused_moe(*moe))
 
 
 # --- Each kernel broken on purpose fails its check -----------------------------------------------------
