@@ -55,7 +55,8 @@ def question(i: int) -> list[dict]:
 
 def test_32_concurrent_streams_each_get_their_own_answer(crowd_server: tuple[LiveServer, AsyncEngine]) -> None:
     live, engine = crowd_server
-    alone_key, crowd_key = live.new_key(), live.new_key()  # two tenants: the crowd gets no prefix hits
+    # two tenants: the crowd reuses none of the first tenant's prefixes (tests/gateway/test_isolation_live.py)
+    alone_key, crowd_key = live.new_key(), live.new_key()
 
     async def ask(client: openai.AsyncOpenAI, i: int) -> tuple[str, str | None, openai.types.CompletionUsage, str]:
         stream = await client.chat.completions.create(
