@@ -274,7 +274,7 @@ def test_speculative_sampling_reproduces_the_target_distribution(params: Samplin
 
 
 def test_the_guard_stops_drafting_at_a_batch_size_where_it_measured_slower() -> None:
-    from engines.speculative.guard import EXPLORE_EVERY, MIN_SAMPLES, SpeedGuard
+    from engines.speculative.guard import CHECK_STEPS, EXPLORE_EVERY, MAX_EXPLORE_EVERY, MIN_SAMPLES, SpeedGuard
 
     guard = SpeedGuard()
     # At first: drafting, with a plain step in 4 until plain has MIN_SAMPLES measurements.
@@ -284,8 +284,14 @@ def test_the_guard_stops_drafting_at_a_batch_size_where_it_measured_slower() -> 
         guard.observe(8, 8, 0.1, drafted=False)  # plain: 80 tok/s
     for _ in range(MIN_SAMPLES - 1):
         guard.observe(8, 12, 0.1, drafted=True)  # ...then 120 tok/s: judged on the average, still slower
-    allowed = [guard.allow(8) for _ in range(2 * EXPLORE_EVERY)]
-    assert allowed.count(True) == 2  # slower: plain, but for one drafting step in 16
+    # slower: plain, but for checks of two drafting steps in a row (the first catches a lagging draft up,
+    # the second is measured), each wait twice the last up to MAX_EXPLORE_EVERY while drafting stays slower
+    allowed = [guard.allow(8) for _ in range(1200)]
+    starts = [i for i, a in enumerate(allowed) if a and (i == 0 or not allowed[i - 1])]
+    assert sum(allowed) == CHECK_STEPS * len(starts) and all(allowed[i + 1] for i in starts)
+    assert starts[0] == EXPLORE_EVERY
+    assert [b - a for a, b in itertools.pairwise(starts)] == [32, 64, 128, 256, 256, 256]
+    assert MAX_EXPLORE_EVERY == 256
     for _ in range(8):  # drafting measured faster now: it comes back
         guard.observe(8, 16, 0.1, drafted=True)
     assert sum(guard.allow(9) for _ in range(EXPLORE_EVERY)) == EXPLORE_EVERY - 1  # 9 shares 8's bucket
