@@ -37,6 +37,7 @@ HELP_ONLY = {
     "policy_tune": "loads both configured tiers (Qwen2.5-Coder 0.5B and 1.5B) and tunes over a candidate grid",
     "quant": "loads bf16, int8 and int4 engines and runs perplexity on each: tens of seconds at the smallest",
     "savings": "a gateway, two SmolLM2 tiers and a router trained on the spot: tests/test_bench_savings.py runs it",
+    "soak": "minutes of mixed load on a live gateway by design; how it judges what it saw is tested below",
     "spec_decode": "serves Qwen2.5-Coder-1.5B int8 with 0.5B drafts: tens of seconds at the smallest",
     "verifiers": "loads both configured tiers and answers GSM8K problems on them",
 }
@@ -277,3 +278,43 @@ def test_checks_measures_precision_and_recall_of_wrong_answers(tmp_path: Path, b
         checks.append(results_file, r)
     assert set(checks.read_results(results_file, "m")) == {(f"code/{i}", "prompt_examples") for i in range(4)}
     assert checks.read_results(results_file, "another model") == {}  # a rerun resumes only its own
+
+
+def test_soak_counts_ledger_rows_excused_refusals_and_growth(bench_module: Callable) -> None:
+    """bench.soak's verdict on what a client saw: every 200 (a stream the client closed included) needs its
+    ledger row and refusals need none; a 503 `budget_unavailable` is excused only for tenants with limits
+    and only around the Redis outage; growth counts from the end of the warm-up to the end of the load."""
+    soak = bench_module("soak_verdict")
+    call = soak.Call
+    calls = [
+        call("hit", "soak-main", 1, 2, 200, request_id="a", cache="hit"),
+        call("cancel", "soak-open", 3, 4, 200, request_id="b", note="closed"),  # abandoned mid-stream: billed
+        call("stream", "soak-main", 5, 6, 200, request_id="c"),
+        call("budget", "soak-tight", 7, 8, 429, code="insufficient_quota"),  # refused: no row
+        call("bad:wrong_type", "soak-main", 9, 9.1, 422, code="invalid_value"),
+        call("hit", "soak-main", 105, 105.1, 503, code="budget_unavailable"),  # Redis down: excused
+        call("hit", "soak-main", 130, 130.1, 503, code="budget_unavailable"),  # 20 s after it came back: not
+        call("hit", "soak-open", 106, 106.1, 503, code="budget_unavailable"),  # no limits to check: not
+        call("stream", "soak-open", 140, 141, 200, request_id="d", stream_error="error event: engine_error"),
+        call("bad:no_key", "soak-main", 150, 150.1, 500),
+    ]
+    outage = soak.Window(100.0, 110.0)
+    assert [soak.judge(c, outage) for c in calls] == [
+        "ok", "ok", "ok", "ok", "ok", "outage", "unexpected", "unexpected", "stream_error", "unexpected",
+    ]  # fmt: skip
+
+    def sample(t: float, phase: str, rss: float, fds: int, kv: int) -> object:
+        return soak.Sample(t, phase, rss, fds, 0.0, 3, kv, 0, 0, 10, 0, 0)
+
+    samples = [
+        sample(0, "idle", 900, 10, 0),
+        sample(30, "load", 1040, 20, 5),  # still warming up
+        sample(60, "load", 1000, 20, 4),  # the baseline: the end of the warm-up
+        sample(90, "outage", 1020, 21, 6),  # the end of the load
+        sample(95, "idle-after", 1030, 15, 2),
+    ]
+    rows = {rid: ("soak-main", "ok", "miss") for rid in ("a", "b", "d", "x")}
+    v = soak.verdict(samples, 60, calls, outage, soak.Ledger(rows, 0), 0, 2)
+    assert (v.expected_rows, v.lost_rows, v.lost_examples, v.unexpected_rows, v.duplicate_ids) == (4, 1, ["c"], 1, 0)
+    assert v.unexpected_5xx == 4  # the late 503, soak-open's 503, the stream's error event, the 500
+    assert v.rss_growth_pct == pytest.approx(2.0) and v.fd_growth == 1 and v.kv_blocks_leaked == 2
