@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from bench import timed
 from bench.common import mtbench_questions, say
 from bench.quant import decode_tok_s, variants
 from engines.checkpoints.fetch import assemble_gguf, registry_model
@@ -58,13 +59,7 @@ def cpu_name() -> str:
 
 
 def median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(timed(fn, repeats, warmup=1))
 
 
 def bench_gemm(repeats: int) -> dict:

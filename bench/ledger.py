@@ -40,7 +40,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
@@ -51,7 +51,7 @@ from typing import Any, cast
 import anyio
 from sqlalchemy import func, insert, select, text
 
-from bench import from_tests
+from bench import from_tests, timed
 from core.db.database import Database
 from core.db.models import Tenant, Usage, UsageDaily
 from core.settings import Settings, TierSettings
@@ -238,17 +238,6 @@ def raw_report(db: Database, tenant_id: int, first: date, last: date) -> tuple[l
     with db.session() as s:
         totals = s.execute(total).mappings().all()
     return [dict(r) for r in rows], [dict(r) for r in totals]
-
-
-def timed(fn: Callable[[], object], reps: int, warmup: int = 3) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -4,71 +4,23 @@ database (`soak_<pid>`) to count the ledger's rows in, and the tenants with thei
 from __future__ import annotations
 
 import os
-import shutil
-import socket
-import subprocess
-import time
 from decimal import Decimal
-from pathlib import Path
 from typing import Any
 
+from bench import from_tests
 from bench.soak_verdict import Ledger
 
 __all__ = ["TIGHT_TOKENS", "Postgres", "RedisProcess", "create_tenants", "free_port", "main_policy"]
 
 TIGHT_TOKENS = 400  # soak-tight's daily token budget: a handful of requests
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+services = from_tests("services")  # the test suite's PostgreSQL and Redis helpers
+free_port = services.free_port
 
 
-class RedisProcess:
-    """A redis-server of the soak's own, without persistence, to kill and start again on the same port."""
-
-    def __init__(self, log: Path) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise SystemExit("no redis-server binary: the soak restarts a Redis of its own (apt-get install it)")
-        self.binary, self.port, self.log = binary, free_port(), log
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        cmd = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-               "--daemonize", "no"]  # fmt: skip
-        with self.log.open("a") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
-                    return
-            except OSError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError(f"redis-server did not start; see {self.log}") from None
-                time.sleep(0.05)
-
-    def kill(self) -> None:
-        """A crash: SIGKILL, nothing flushed."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-        self.proc = None
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self.proc = None
+class RedisProcess(services.RedisServer):
+    """A redis-server of the soak's own (`tests/services.py`), without persistence, its output in `log`, to
+    kill and start again on the same port; and what the soak reads from it."""
 
     def client(self) -> Any:
         import redis

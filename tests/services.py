@@ -25,6 +25,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import sqlalchemy as sa
 
 _cleanups: list[Callable[[], None]] = []
@@ -142,9 +143,11 @@ class RedisServer:
     """A redis-server of our own on a free port, without persistence, that a test can stop and start
     again on the same port: an outage after which Redis comes back empty."""
 
-    def __init__(self) -> None:
+    def __init__(self, log: Path | None = None) -> None:
+        """`log`: a file to append the server's output to (default: discarded)."""
         self.binary = redis_binary()
         self.port = free_port()
+        self.log = log
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -152,21 +155,26 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        command = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        if self.log is None:
+            self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        else:
+            with self.log.open("a") as out:
+                self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 10
         while not reachable(self.port):
             if time.monotonic() > deadline or self.proc.poll() is not None:
-                raise RuntimeError("redis-server did not start")
+                raise RuntimeError("redis-server did not start" + (f"; see {self.log}" if self.log else ""))
             time.sleep(0.05)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
-            self.proc.wait(10)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
         self.proc = None
 
     def kill(self) -> None:
@@ -176,6 +184,51 @@ class RedisServer:
             self.proc.kill()
             self.proc.wait(10)
         self.proc = None
+
+
+def wait_serving(proc: subprocess.Popen, url: str, log: Path, deadline: float, what: str, every: float = 0.1) -> None:
+    """Until GET `url` answers 200; fails, quoting the end of the server's `log`, if the process exits
+    or `deadline` (time.monotonic) passes first."""
+    while True:
+        assert proc.poll() is None, f"{what} exited:\n{log.read_text()[-4000:]}"
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"{what} did not start:\n{log.read_text()[-4000:]}"
+        time.sleep(every)
+
+
+class ServerProcess:
+    """A server in a process of its own, its output appended to `log`: started until it serves, killed as
+    a crash, or stopped."""
+
+    def __init__(self, log: Path, what: str) -> None:
+        self.log, self.what = log, what
+        self.proc: subprocess.Popen | None = None
+
+    def launch(
+        self, command: list[str], ready_url: str, timeout: float, env: dict[str, str] | None = None, every: float = 0.1
+    ) -> None:
+        with self.log.open("a") as out:
+            self.proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+        wait_serving(self.proc, ready_url, self.log, time.monotonic() + timeout, self.what, every)
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, no goodbye to open connections."""
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(30)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
 
 
 def _throwaway_postgres() -> str:

@@ -85,15 +85,7 @@ def on_gpu(runner: str, *args: Any, device: str = "cuda") -> Any:
         if device == "cpu":
             env["TRITON_INTERPRET"] = "1"
         code = "import runpy; runpy.run_path('tests/triton_compiled.py', run_name='__main__')"
-        done = subprocess.run(
-            [sys.executable, "-c", code, device, str(calls), str(results)],
-            cwd=Path(__file__).resolve().parents[1],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
+        _child([code, device, str(calls), str(results)], env, timeout=600)
         (result,) = torch.load(results, weights_only=False)
     return result
 
@@ -135,15 +127,20 @@ def compile_for_h100(
     this one's kernels were jitted for the interpreter. (Triton's Linux x86_64 wheels ship the NVIDIA backend
     and its ptxas.)"""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(cache_dir)}
+    ptx = json.loads(_child([_COMPILE, module, json.dumps(cases)], env, timeout=300))
+    assert len(ptx) == len(cases)
+    return ptx
+
+
+def _child(args: list[str], env: dict[str, str], timeout: float) -> str:
+    """`python -c args...` from the repository root with `env`; its stdout (it must succeed)."""
     done = subprocess.run(
-        [sys.executable, "-c", _COMPILE, module, json.dumps(cases)],
+        [sys.executable, "-c", *args],
         cwd=Path(__file__).resolve().parents[1],
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    ptx = json.loads(done.stdout)
-    assert len(ptx) == len(cases)
-    return ptx
+    return done.stdout

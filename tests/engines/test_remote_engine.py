@@ -340,14 +340,14 @@ PRICES = {
 }
 
 
-class RemoteSwitchboard:
+class RemoteSwitchboard(services.ServerProcess):
     """`switchboard serve` in a process of its own: SmolLM2 as tier `small`, its own SQLite database,
     the shared models cache (nothing is fetched again), and a tenant key made with the CLI."""
 
     def __init__(self, workdir: Path) -> None:
+        super().__init__(workdir / "remote.log", "the remote switchboard")
         self.url = f"http://127.0.0.1:{services.free_port()}"
         self.database_url = f"sqlite:///{workdir / 'remote.db'}"
-        self.log = workdir / "remote.log"
         self.env = {
             **os.environ,
             "SWITCHBOARD_HOME": str(MODELS_HOME),
@@ -364,36 +364,9 @@ class RemoteSwitchboard:
         )
         assert created.returncode == 0, created.stderr
         self.key = created.stdout.strip()
-        self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
-        with self.log.open("a") as log:
-            self.proc = subprocess.Popen([SWITCHBOARD, "serve"], env=self.env, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 180
-        while True:
-            assert self.proc.poll() is None, f"the remote switchboard exited:\n{self.log.read_text()[-3000:]}"
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the remote switchboard did not start"
-            time.sleep(0.2)
-
-    def kill(self) -> None:
-        """SIGKILL: a crash, no goodbye to open connections."""
-        assert self.proc is not None
-        self.proc.kill()
-        self.proc.wait(30)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(30)
+        self.launch([SWITCHBOARD, "serve"], f"{self.url}/healthz", timeout=180, env=self.env, every=0.2)
 
     def usage(self, count: int) -> list[tuple[int, int]]:
         """(prompt, completion) tokens of the remote's own ledger rows, once it holds `count` of them."""

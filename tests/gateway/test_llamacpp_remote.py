@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -68,47 +67,21 @@ CONVERSATIONS: list[list[dict[str, str]]] = [
 LONG = [{"role": "user", "content": "Write a long story about a dragon who loves tea, with many details."}]
 
 
-class LlamaServer:
+class LlamaServer(services.ServerProcess):
     """`python -m llama_cpp.server` on the SmolLM2 GGUF, one thread, on a port it keeps across restarts."""
 
     def __init__(self, gguf: Path, log: Path) -> None:
+        super().__init__(log, "llama.cpp's server")
         self.port = services.free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.gguf, self.log = gguf, log
-        self.proc: subprocess.Popen | None = None
+        self.gguf = gguf
 
     def start(self) -> None:
         # No --chat_format: the server renders the GGUF's own chat template, the one our tokenizer renders.
         command = [sys.executable, "-m", "llama_cpp.server", "--model", str(self.gguf), "--model_alias", ALIAS,
                    "--host", "127.0.0.1", "--port", str(self.port), "--n_ctx", str(N_CTX), "--n_threads", "1",
                    "--n_threads_batch", "1", "--seed", "0", "--verbose", "False"]  # fmt: skip
-        with self.log.open("a") as log:
-            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while True:
-            assert self.proc.poll() is None, f"llama.cpp's server exited:\n{self.log.read_text()[-3000:]}"
-            try:
-                if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, f"llama.cpp's server did not start:\n{self.log.read_text()[-3000:]}"
-            time.sleep(0.1)
-
-    def kill(self) -> None:
-        """SIGKILL: a crash, no goodbye to open connections."""
-        assert self.proc is not None
-        self.proc.kill()
-        self.proc.wait(30)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(30)
+        self.launch(command, f"{self.url}/v1/models", timeout=60)
 
 
 @dataclass

@@ -48,18 +48,6 @@ def start_replica(env: dict[str, str], log: Path) -> tuple[subprocess.Popen, str
     return proc, f"http://127.0.0.1:{port}"
 
 
-def wait_healthy(proc: subprocess.Popen, base_url: str, log: Path, deadline: float) -> None:
-    while True:
-        assert proc.poll() is None, f"the replica exited:\n{log.read_text()[-4000:]}"
-        try:
-            if httpx.get(f"{base_url}/healthz", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, f"the replica did not come up:\n{log.read_text()[-4000:]}"
-        time.sleep(0.2)
-
-
 @pytest.fixture
 def replicas(
     postgres_url: str, redis_server: str, redis_namespace: str, smollm2_dir: Path, tmp_path: Path
@@ -85,7 +73,7 @@ def replicas(
     try:
         deadline = time.monotonic() + 120
         for i, (proc, url) in enumerate(started):
-            wait_healthy(proc, url, tmp_path / f"replica{i}.log", deadline)
+            services.wait_serving(proc, f"{url}/healthz", tmp_path / f"replica{i}.log", deadline, "the replica", 0.2)
         yield [url for _, url in started]
     finally:
         for proc, _ in started:
