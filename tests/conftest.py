@@ -17,6 +17,7 @@ import pytest
 
 import services
 import skip_audit
+from server_deaths import pytest_runtest_makereport  # noqa: F401  (a hook: failures report dead servers)
 
 if TYPE_CHECKING:  # the engine and the gateway load only for the tests that ask for them
     from engines.async_engine import AsyncEngine

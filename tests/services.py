@@ -24,6 +24,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import ClassVar
 
 import httpx
 import sqlalchemy as sa
@@ -186,42 +187,82 @@ class RedisServer:
         self.proc = None
 
 
+def exit_description(code: int) -> str:
+    """A process's exit status in words: `killed by SIGILL (signal 4)`, `exited with status 1`."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name} (signal {-code})"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+def log_tail(log: Path, chars: int = 4000) -> str:
+    try:
+        return log.read_text(errors="replace")[-chars:]
+    except OSError as e:
+        return f"(its log {log} cannot be read: {e})"
+
+
 def wait_serving(proc: subprocess.Popen, url: str, log: Path, deadline: float, what: str, every: float = 0.1) -> None:
-    """Until GET `url` answers 200; fails, quoting the end of the server's `log`, if the process exits
-    or `deadline` (time.monotonic) passes first."""
+    """Until GET `url` answers 200; fails, quoting how it ended and the end of the server's `log`, if the process
+    exits or `deadline` (time.monotonic) passes first."""
     while True:
-        assert proc.poll() is None, f"{what} exited:\n{log.read_text()[-4000:]}"
+        code = proc.poll()
+        assert code is None, f"{what} {exit_description(code)} while starting; the end of its log:\n{log_tail(log)}"
         try:
             if httpx.get(url, timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
-        assert time.monotonic() < deadline, f"{what} did not start:\n{log.read_text()[-4000:]}"
+        assert time.monotonic() < deadline, f"{what} did not start:\n{log_tail(log)}"
         time.sleep(every)
 
 
 class ServerProcess:
     """A server in a process of its own, its output appended to `log`: started until it serves, killed as
-    a crash, or stopped."""
+    a crash, or stopped.
+
+    One that dies unasked (not through `kill` or `stop`) is a server death, which `death` describes; a failing
+    test reports every such death first (tests/server_deaths.py), so a crash reads as a crash rather than as the
+    connection error the test saw next.
+    """
+
+    running: ClassVar[list[ServerProcess]] = []  # launched and not stopped, for tests/server_deaths.py
 
     def __init__(self, log: Path, what: str) -> None:
         self.log, self.what = log, what
         self.proc: subprocess.Popen | None = None
+        self.asked_to_exit = False
 
     def launch(
         self, command: list[str], ready_url: str, timeout: float, env: dict[str, str] | None = None, every: float = 0.1
     ) -> None:
         with self.log.open("a") as out:
             self.proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+        self.asked_to_exit = False
+        if self not in ServerProcess.running:
+            ServerProcess.running.append(self)
         wait_serving(self.proc, ready_url, self.log, time.monotonic() + timeout, self.what, every)
+
+    def death(self) -> str | None:
+        """How the server ended, if it exited unasked: its exit (the signal, by name) and the end of its log."""
+        if self.proc is None or self.asked_to_exit or self.proc.poll() is None:
+            return None
+        how = exit_description(self.proc.returncode)
+        return f"{self.what} died ({how}, pid {self.proc.pid}); the end of its log, {self.log}:\n{log_tail(self.log)}"
 
     def kill(self) -> None:
         """SIGKILL: a crash, no goodbye to open connections."""
         assert self.proc is not None
+        self.asked_to_exit = True
         self.proc.kill()
         self.proc.wait(30)
 
     def stop(self) -> None:
+        self.asked_to_exit = True
+        if self in ServerProcess.running:
+            ServerProcess.running.remove(self)
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
