@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test lint format install bench clean-venv
+.PHONY: serve test lint format install llamacpp bench clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -17,7 +17,12 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/switchboard serve
 
-test: $(STAMP)
+# llama.cpp's server for the remote-tier tests and the benchmarks' baseline: built for this CPU without AMX tiles and
+# reinstalled when the venv's build was made for another instruction set (a no-op otherwise; bench/llamacpp_build.py).
+llamacpp: $(STAMP)
+	$(BIN)/python -m bench.llamacpp_build install
+
+test: llamacpp
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

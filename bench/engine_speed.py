@@ -34,6 +34,7 @@ import torch
 
 from bench import timed
 from bench.common import mtbench_questions, say
+from bench.llamacpp_pick import measured as measured_build
 from bench.quant import decode_tok_s, variants
 from engines.checkpoints.fetch import assemble_gguf, registry_model
 from engines.engine import Engine
@@ -199,6 +200,8 @@ def main() -> None:
     spec = run_spec(args) if args.spec else None
 
     print(f"\n{cpu_name()}, OMP_NUM_THREADS={threads}, kernels {cpu_kernels.variant()}, flags {' '.join(flags)}")
+    if measured_build() is not None:
+        print(f"llama.cpp measured: {measured_build()}")
     head = f"{'M':>4} {'ours':>8} {'avx2 build':>11} {'_int_mm':>8} {'ours/_int_mm':>13}"
     print(f"int8 GEMM on Qwen 1.5B's shapes, GOP/s: {head}")
     for m, r in gemm.items():
@@ -217,6 +220,7 @@ def main() -> None:
         "gemm_vs_int_mm_m16": round(gemm[16]["ours"] / gemm[16]["_int_mm"], 2),
         "gemm_vs_int_mm_m64": round(gemm[64]["ours"] / gemm[64]["_int_mm"], 2),
         "gemm_vs_int_mm_m512": round(gemm[512]["ours"] / gemm[512]["_int_mm"], 2),
+        "llamacpp_build": measured_build(),
     }
     if models:
         q, s = models[QWEN15], models[SMOL]

@@ -11,7 +11,7 @@ generated tokens / wall time, prefill included.
   (c) TTFT of a request behind a shared ~1,000-token system prompt, cold vs prefix-cached
   (d) our engine at concurrency 16 with prefix caching on vs off, every request with its own cache
       salt so the hit rate is 0%: the bookkeeping's cost, both engines stepped in lockstep
-  (e) llama.cpp (`llama-cpp-python`, the `bench` extra) on the original GGUF file, one request at a time
+  (e) llama.cpp (llama-cpp-python, the build bench/llamacpp_pick.py chooses) on the original GGUF, one request at a time
 
 One-at-a-time systems (a, b at concurrency 1, e) run the first --sequential-requests requests; the
 batched runs use all of --requests. The last line is one JSON object with the headline figures.
@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from bench.common import MTBENCH, say
+from bench.llamacpp_pick import measured as measured_build
 from engines.checkpoints.fetch import assemble_gguf, fetch_model, fetch_package_file, registry_model
 from engines.engine import Engine
 from engines.request import EngineRequest
@@ -118,13 +119,12 @@ def run_hf(model_dir: Path, dtype: torch.dtype, jobs: list[Job]) -> float:
 
 
 def run_llamacpp(gguf: Path, threads: int, jobs: list[Job], eos_ids: frozenset[int]) -> float | None:
-    try:
-        from llama_cpp import Llama
-    except ImportError:
-        say("llama-cpp-python is not installed (pip install -e '.[bench]'): skipping the llama.cpp baseline")
-        return None
+    from bench.llamacpp_pick import load  # the fastest build that runs here correctly; it says which (stderr)
+
     ctx = max(len(j.prompt) + j.max_tokens for j in jobs) + 16
-    llm = Llama(model_path=str(gguf), n_ctx=ctx, n_threads=threads, n_threads_batch=threads, verbose=False)
+    llm = load(gguf, threads, say).Llama(
+        model_path=str(gguf), n_ctx=ctx, n_threads=threads, n_threads_batch=threads, verbose=False
+    )
     no_eos = {int(t): -float("inf") for t in eos_ids}
 
     def one(job: Job) -> int:
@@ -279,6 +279,7 @@ def main() -> None:
         if llama:
             rows.append((f"(e) llama.cpp {gguf.name}, c=1", f"{llama:.1f}", f"{llama / hf:.2f}x HF" if hf else ""))
     result["tok_s_llamacpp"] = round(llama, 1) if llama else None
+    result["llamacpp_build"] = measured_build()
 
     say("(c) TTFT behind a shared 1,000-token system prompt, cold vs cached ...")
     cold, cached = ttft_shared_prefix(engine, runs=5)

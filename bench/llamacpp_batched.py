@@ -3,25 +3,38 @@
 One context, one `llama_batch` per step carrying N sequence ids, as llama.cpp's `batched` example does.
 
     OMP_NUM_THREADS=2 .venv/bin/python -m bench.llamacpp_batched --gguf FILE --n 16 --tokens 64 --threads 2
+
+llama.cpp is the build bench/llamacpp_pick.py chooses for this CPU (the fastest that runs here correctly), named on
+stderr before the first measurement.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import sys
 import time
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
-import llama_cpp as lc
 import numpy as np
 
+from bench.llamacpp_pick import load
 
-@lc.llama_log_callback
-def _no_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-    pass
+_NO_LOG: list[Any] = []  # the ctypes callback, kept alive for as long as llama.cpp may call it
 
 
-def _fill(batch: lc.llama_batch, entries: list[tuple[int, int, int, bool]]) -> None:
+def llama_cpp(gguf: Path, threads: int) -> ModuleType:
+    """The chosen build's `llama_cpp` module, its logging silenced."""
+    lc = load(gguf, threads, lambda message: print(message, file=sys.stderr, flush=True))
+    if not _NO_LOG:
+        _NO_LOG.append(lc.llama_log_callback(lambda level, text, user_data: None))
+    lc.llama_log_set(_NO_LOG[0], ctypes.c_void_p())
+    return lc
+
+
+def _fill(batch: Any, entries: list[tuple[int, int, int, bool]]) -> None:
     """entries: (token, position, seq id, logits wanted)."""
     for i, (tok, pos, seq, want) in enumerate(entries):
         batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos, 1
@@ -35,7 +48,7 @@ def llamacpp_batched_decode(
 ) -> dict:
     """Greedy-decode max_new_tokens for every prompt at once (EOS ignored); returns timings and tokens."""
     n_seqs = len(prompts)
-    lc.llama_log_set(_no_log, ctypes.c_void_p())
+    lc = llama_cpp(gguf, threads)
     lc.llama_backend_init()
     model = lc.llama_model_load_from_file(str(gguf).encode(), lc.llama_model_default_params())
     if not model:
@@ -95,7 +108,9 @@ def llamacpp_batched_decode(
 def _high_level_greedy(gguf: Path, prompt: list[int], n: int, threads: int) -> list[int]:
     # Llama() turns flash attention off by default; the low-level default ("auto") turns it on for CPU, and the two
     # round differently enough to flip a greedy token a few dozen steps in. Match the kernel for the comparison.
-    llm = lc.Llama(model_path=str(gguf), n_threads=threads, n_ctx=len(prompt) + n + 16, flash_attn=True, verbose=False)
+    llm = llama_cpp(gguf, threads).Llama(
+        model_path=str(gguf), n_threads=threads, n_ctx=len(prompt) + n + 16, flash_attn=True, verbose=False
+    )
     out: list[int] = []
     for tok in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
         out.append(int(tok))
@@ -113,7 +128,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompt", default="Write a long story about a dragon who learns to code.")
     args = parser.parse_args()
-    lc.llama_log_set(_no_log, ctypes.c_void_p())  # before any Llama(): even vocab_only=True logs a warning
+    lc = llama_cpp(args.gguf, args.threads)  # before any Llama(): even vocab_only=True logs a warning
     vocab = lc.Llama(model_path=str(args.gguf), vocab_only=True, verbose=False)
     prompt = vocab.tokenize(args.prompt.encode(), add_bos=True)
     vocab.close()

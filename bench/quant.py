@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from bench.common import mtbench_questions, say
+from bench.llamacpp_pick import measured as measured_build
 from engines.checkpoints.fetch import assemble_gguf, fetch_model, registry_model
 from engines.checkpoints.quality import perplexity
 from engines.checkpoints.quantized import fetch_quantized
@@ -154,7 +155,7 @@ def main() -> None:
     last = results[-1]
     s, q = last["speed"], last["quality"]
     llama = s.get("llama.cpp_b1"), s.get("llama.cpp_b16")
-    summary: dict = {"model": last["model"], "threads": threads}
+    summary: dict = {"model": last["model"], "threads": threads, "llamacpp_build": measured_build()}
     if s:
         best16 = max(s[f"{v}_b16"] for v in ("bf16", "int8", "int4"))
         summary |= {

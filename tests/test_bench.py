@@ -24,7 +24,6 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 BENCHES = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if p.stem != "__init__")
 RUNNABLE = [n for n in BENCHES if 'if __name__ == "__main__":' in (ROOT / "bench" / f"{n}.py").read_text()]
-OPTIONAL = {"llamacpp_batched": "llama_cpp"}  # bench → the module of the `bench` extra it needs at import
 
 # Benchmarks with no configuration that runs in seconds (measured on a 2-vCPU box): `--help` only.
 HELP_ONLY = {
@@ -32,7 +31,8 @@ HELP_ONLY = {
     "cache": "its KV-tier part times eight prefills of a ~1,000-token prompt (no flag): ~17 s at the smallest trace",
     "engine_throughput": "its shared-prefix TTFT runs ten ~1,000-token prefills (no flag): ~17 s at the smallest",
     "kv_tier": "runs every model of CASES that is in the cache, Qwen2.5-Coder-0.5B included",
-    "llamacpp_batched": "needs llama-cpp-python (the `bench` extra, built from source) and a GGUF file",
+    "llamacpp_batched": "needs a GGUF file: tests/test_llamacpp_build.py decodes SmolLM2's through it",
+    "llamacpp_build": "`install` builds llama.cpp (minutes) where needed: tests/test_llamacpp_build.py checks it",
     "moe": "splits Qwen2.5-Coder-1.5B into experts (minutes, once) and serves it three ways",
     "policy_tune": "loads both configured tiers (Qwen2.5-Coder 0.5B and 1.5B) and tunes over a candidate grid",
     "quant": "loads bf16, int8 and int4 engines and runs perplexity on each: tens of seconds at the smallest",
@@ -124,8 +124,6 @@ def bench_module(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], object]:
 
 @pytest.mark.parametrize("name", BENCHES)
 def test_imports(name: str, bench_module: Callable) -> None:
-    if name in OPTIONAL:
-        pytest.importorskip(OPTIONAL[name], reason=f"bench/{name}.py needs the `bench` extra")
     module = bench_module(name)
     assert module.__doc__, f"bench/{name}.py says what it measures and how to run it"
     if hasattr(module, "main"):
@@ -137,8 +135,6 @@ def test_help(
     name: str, bench_module: Callable, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
     """`python -m bench.X --help`, in this process (a subprocess would import torch again): module and parser."""
-    if name in OPTIONAL:
-        pytest.importorskip(OPTIONAL[name], reason=f"bench/{name}.py needs the `bench` extra")
     main = bench_module(name).main
     monkeypatch.setattr(sys, "argv", [f"{ROOT}/bench/{name}.py", "--help"])  # sys.argv under `python -m`
     with pytest.raises(SystemExit) as exited:
