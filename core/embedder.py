@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -46,6 +47,14 @@ class Embedder:
         from sentence_transformers import SentenceTransformer
 
         return SentenceTransformer(str(minilm_path()), device="cpu")
+
+    def tokenizer(self) -> Any:
+        """MiniLM's own tokenizer (BERT word pieces): what `/v1/embeddings` counts and reads token ids with."""
+        return self._load().tokenizer  # type: ignore[attr-defined]
+
+    def max_tokens(self) -> int:
+        """The longest input MiniLM takes, in word pieces with [CLS] and [SEP] (sentence-transformers cuts the rest)."""
+        return int(self._load().max_seq_length)  # type: ignore[attr-defined]
 
     def encode(self, texts: list[str]) -> np.ndarray:
         """(len(texts), 384) float32, each row of unit length."""

@@ -334,10 +334,11 @@ class Engine:
             appended.append(token)
             if seq.finish_reason is not None:
                 break
-        hook = seq.request.hook
+        hook, asked = seq.request.hook, seq.request.params.logprobs
         logprobs: tuple[TokenLogprob, ...] = ()
-        if hook is not None and hook.top_logprobs > 0:  # token j was sampled from logits row j
-            logprobs = token_logprobs(logits[: len(appended)], appended, hook.top_logprobs)
+        if asked is not None or (hook is not None and hook.top_logprobs > 0):  # token j was drawn from row j
+            k = max(asked or 0, hook.top_logprobs if hook is not None else 0)
+            logprobs = token_logprobs(logits[: len(appended)], appended, k)
         # Every token but the newest now has its KV: after a verification, the last token and the
         # kept drafts; the rejected drafts' positions roll back and their blocks go back.
         seq.num_computed = len(seq.token_ids) - 1

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+MAX_LOGPROBS = 20  # OpenAI's `top_logprobs` limit
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -24,6 +26,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # each token's log-probability and this many alternatives (None: none)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit) before sampling
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -39,6 +43,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be between -2 and 2")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}")
+        if any(not -100.0 <= b <= 100.0 for _, b in self.logit_bias):
+            raise ValueError("logit_bias values must be between -100 and 100")
 
     @property
     def greedy(self) -> bool:
@@ -59,8 +67,8 @@ class SamplingState:
 
 
 def plain_greedy(p: SamplingParams) -> bool:
-    """Whether a row's token is its logits' argmax, nothing else applied (no penalties)."""
-    return p.greedy and not (p.presence_penalty or p.frequency_penalty)
+    """Whether a row's token is its logits' argmax, nothing else applied (no penalties, no logit bias)."""
+    return p.greedy and not (p.presence_penalty or p.frequency_penalty or p.logit_bias)
 
 
 CANDIDATES = 512  # top-p looks for its nucleus among this many most likely tokens first (vocabularies: 150k)
@@ -75,10 +83,12 @@ def sample(logits: torch.Tensor, states: list[SamplingState]) -> list[int]:
     out = logits.argmax(-1).tolist()
     for i, (row, state) in enumerate(zip(logits, states, strict=True)):
         p = state.params
+        if p.logit_bias:
+            row = _apply_bias(row, p.logit_bias)
         if p.presence_penalty or p.frequency_penalty:
             row = _apply_penalties(row, state.output_ids, p)
-            if p.greedy:
-                out[i] = int(row.argmax())
+        if p.greedy and not plain_greedy(p):
+            out[i] = int(row.argmax())
         if p.greedy:
             continue
         probs, ids = candidates(row, p)
@@ -126,6 +136,12 @@ def draw(weights: torch.Tensor, generator: torch.Generator) -> int:
     if index >= len(cdf):  # u rounded up to the total: the last token that has weight
         index = int(torch.nonzero(weights)[-1])
     return index
+
+
+def _apply_bias(row: torch.Tensor, bias: tuple[tuple[int, float], ...]) -> torch.Tensor:
+    """OpenAI's `logit_bias`: each value added to its token's logit (a copy; -100 all but bans the token)."""
+    ids, values = zip(*bias, strict=True)
+    return row.index_add(-1, torch.tensor(ids), torch.tensor(values, dtype=row.dtype))
 
 
 def _apply_penalties(row: torch.Tensor, output_ids: list[int], p: SamplingParams) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Structured output: token masks compiled from a JSON schema, any JSON, or a regex (xgrammar).
+"""Structured output: token masks compiled from a JSON schema, any JSON, a regex or a structural tag (xgrammar).
 
 xgrammar (vLLM's and SGLang's default) compiles a grammar against the tokenizer's vocabulary once; a
 matcher per sequence then gives, before each sampled token, the set of tokens that keep the output a
@@ -92,6 +92,11 @@ class GrammarCompiler:
     def regex(self, pattern: str) -> Grammar:
         return self._compile("regex", pattern)
 
+    def structural_tag(self, tag: Mapping[str, Any]) -> Grammar:
+        """xgrammar's structural tag (its JSON form): free text and tagged spans, each span held to its own
+        format (tool calls: `gateway.tool_calls.grammar`)."""
+        return self._compile("structural tag", json.dumps(tag, sort_keys=True))
+
     def _compile_uncached(self, kind: str, spec: str) -> Grammar:
         import xgrammar as xgr
 
@@ -99,8 +104,10 @@ class GrammarCompiler:
             with self._lock:
                 if kind == "schema":
                     compiled = self._compiler.compile_json_schema(spec, any_whitespace=False)
+                elif kind == "structural tag":
+                    compiled = self._compiler.compile_structural_tag(spec)
                 else:
                     compiled = self._compiler.compile_regex(spec)
-        except (RuntimeError, ValueError, xgr.InvalidJSONError) as exc:
+        except (RuntimeError, ValueError, xgr.InvalidJSONError, xgr.InvalidStructuralTagError) as exc:
             raise GrammarError(f"cannot compile this {kind}: {exc}") from None
         return Grammar(compiled, self.vocab_size, kind)

@@ -19,7 +19,7 @@ from core.db.database import Database
 from core.settings import Settings
 from engines.protocol import TierEngine
 from gateway import errors, openapi
-from gateway.api import admin, finance, health, openai
+from gateway.api import admin, embeddings, finance, health, openai
 from gateway.api import policies as policy_api
 from gateway.api import router as router_api
 from gateway.api import tuning as tuning_api
@@ -27,6 +27,7 @@ from gateway.body_limit import BodySizeLimit
 from gateway.cache_stage import CacheStage
 from gateway.console import pages as console
 from gateway.deps import AppConfig, Services, app_config, running_pipeline, set_config, set_services
+from gateway.embeddings import Embeddings
 from gateway.ledger import Ledger, spool_path
 from gateway.logging_setup import RequestIdMiddleware
 from gateway.metrics import Metrics
@@ -49,6 +50,7 @@ log = logging.getLogger(__name__)
 # In this order: the OpenAI API first; the console's pages last.
 ROUTERS: tuple[APIRouter, ...] = (
     openai.router,
+    embeddings.router,
     admin.router,
     policy_api.router,
     tuning_api.router,
@@ -153,7 +155,8 @@ async def _start(config: AppConfig, engines: Mapping[str, TierEngine] | None, da
     pipeline = Pipeline(running, ledger, settings, policies, budgets, cache, config.metrics, routing, probe)
     started = int(time.time())
     tuning = TuningSchedule(db, policies, proposals, running, settings.home_dir)
-    services = Services(db, policies, proposals, budgets, pipeline, tuning, started)
+    embedder = cache.semantic.embedder if cache.semantic is not None else None  # one MiniLM per process
+    services = Services(db, policies, proposals, budgets, pipeline, tuning, started, Embeddings(pipeline, embedder))
     return _Running(services, running, ledger, counters, cache, routing, bootstrap)
 
 

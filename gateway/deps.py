@@ -18,6 +18,7 @@ from fastapi import Depends, FastAPI, Request
 
 from core.db.database import Database
 from core.settings import Settings
+from gateway.embeddings import Embeddings
 from gateway.metrics import Metrics
 from gateway.pipeline import Pipeline
 from gateway.tuning_schedule import TuningSchedule
@@ -30,6 +31,7 @@ __all__ = [
     "BudgetsDep",
     "ConfigDep",
     "DatabaseDep",
+    "EmbeddingsDep",
     "MetricsDep",
     "PipelineDep",
     "PolicyStoreDep",
@@ -78,6 +80,7 @@ class Services:
     pipeline: Pipeline
     tuning: TuningSchedule
     started: int  # Unix time the services came up: the models' `created`
+    embeddings: Embeddings
 
 
 # --- on app.state: set once each, read through these -------------------------------------------------
@@ -160,6 +163,11 @@ async def get_budgets(request: Request) -> Budgets:
     return app_services(request.app).budgets
 
 
+async def get_embeddings(request: Request) -> Embeddings:
+    """`POST /v1/embeddings`' service: the in-process embedder and remote tiers, metered."""
+    return app_services(request.app).embeddings
+
+
 async def get_pipeline(request: Request) -> Pipeline:
     """The request pipeline: engines, routing, caches, verifiers and metering."""
     return app_services(request.app).pipeline
@@ -184,5 +192,6 @@ PolicyStoreDep = Annotated[PolicyStore, Depends(get_policies)]
 ProposalStoreDep = Annotated[ProposalStore, Depends(get_proposals)]
 BudgetsDep = Annotated[Budgets, Depends(get_budgets)]
 PipelineDep = Annotated[Pipeline, Depends(get_pipeline)]
+EmbeddingsDep = Annotated[Embeddings, Depends(get_embeddings)]
 TuningDep = Annotated[TuningSchedule, Depends(get_tuning)]
 StartedDep = Annotated[int, Depends(get_started)]

@@ -295,11 +295,17 @@ def request_key(
             role = "system" if role == "developer" else str(role)
             masks = settings.masks if role == "system" else ()
             content = normalize_text(_content_text(_field(message, "content")), fold_whitespace=fold, masks=masks)
-            entry = {"role": role, "content": content}
+            entry: dict[str, Any] = {"role": role, "content": content}
             if name := _field(message, "name"):  # chat templates may show the speaker's name
                 entry["name"] = str(name)
+            line = f"{role}: {content}"
+            if calls := _field(message, "tool_calls"):  # an assistant turn's calls, arguments included
+                entry["tool_calls"] = _canonical_value(calls)
+                line += " " + _dumps(entry["tool_calls"])
+            if call_id := _field(message, "tool_call_id"):  # which call a tool's result answers
+                entry["tool_call_id"] = str(call_id)
             inp.append(entry)
-            lines.append(f"{role}: {content}")
+            lines.append(line)
         text = "\n".join(lines)
     canon_params = _canonical_params(params)
     canonical = _dumps({"endpoint": endpoint, "tier": tier, "input": inp, "params": canon_params})

@@ -15,18 +15,13 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 
 # Fields clients may send that we do not serve yet; setting one to a non-default value is a 400.
 UNSUPPORTED_CHAT = (
-    "tools",
-    "tool_choice",
     "functions",
     "function_call",
-    "logit_bias",
-    "logprobs",
-    "top_logprobs",
     "audio",
     "modalities",
     "prediction",
 )
-UNSUPPORTED_COMPLETION = ("logit_bias", "logprobs", "echo", "suffix", "best_of")
+UNSUPPORTED_COMPLETION = ("echo", "suffix", "best_of")
 
 
 def _unicode(text: str) -> str:
@@ -48,6 +43,9 @@ Temperature = Annotated[float, Field(ge=0.0, le=2.0), AfterValidator(lambda t: 0
 TopP = Annotated[float, Field(gt=0.0, le=1.0), AfterValidator(lambda p: max(p, TINY))]
 INT32_MAX = 2**31 - 1  # token counts are stored in 32-bit columns
 SEED = 2**63  # torch seeds its generators from 64 bits
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on `logit_bias` entries
+MAX_TOOLS = 128  # tools per request, and calls per assistant turn (OpenAI's limit on tools)
+MAX_TOOL_NAME = 64  # OpenAI's limit on a function's name
 # Messages or prompts per request, at most: every one is templated and tokenized before the context
 # check can refuse them, so 100k empty ones would cost seconds of CPU on the event loop.
 MAX_ITEMS = 2048
@@ -75,6 +73,8 @@ class _Request(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     user: Text | None = None
+    # token id (as a string, JSON's keys) → added to its logit, -100 (ban) to 100 (force)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(None, max_length=MAX_LOGIT_BIAS)
 
     def unsupported(self, names: tuple[str, ...]) -> str | None:
         extra = self.model_extra or {}
@@ -94,17 +94,65 @@ class TextPart(BaseModel):
     text: Text
 
 
+class FunctionCall(BaseModel):
+    """A call as OpenAI writes it: the arguments are a JSON string."""
+
+    model_config = ConfigDict(strict=True)
+
+    name: Text = Field(min_length=1, max_length=MAX_TOOL_NAME)
+    arguments: Text
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    id: Text = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS)  # an assistant turn's calls
+    tool_call_id: Text | None = None  # a `tool` turn: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
         return self.content or ""
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    name: Annotated[Text, Field(min_length=1, max_length=MAX_TOOL_NAME, pattern=r"^[A-Za-z0-9_.\-]+$")]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: any JSON object
+    strict: bool | None = None  # always strict here: calls are constrained to the schema
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    name: Text = Field(min_length=1)
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 MAX_SCHEMA_CHARS = 65_536  # a response schema's JSON, at most: it is compiled while the client waits
@@ -142,6 +190,11 @@ class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_ITEMS)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     response_format: ResponseFormat | None = None
+    logprobs: bool | None = None  # each generated token's log-probability
+    top_logprobs: int | None = Field(None, ge=0, le=20)  # and this many alternatives (needs `logprobs`)
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # default: true, as OpenAI's
 
 
 Prompt = (
@@ -154,6 +207,43 @@ Prompt = (
 
 class CompletionRequest(_Request):
     prompt: Prompt
+    logprobs: int | None = Field(None, ge=0, le=5)  # each token's log-probability and this many alternatives
+
+
+EmbeddingInput = (
+    Annotated[Text, Field(min_length=1)]
+    | Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1, max_length=MAX_ITEMS)]
+    | Annotated[list[int], Field(min_length=1)]
+    | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=MAX_ITEMS)]
+)
+
+
+class EmbeddingRequest(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: Text = Field(min_length=1)
+    input: EmbeddingInput
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1, le=65536)
+    user: Text | None = None
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # base64: the float32 values' little-endian bytes
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
 
 
 class Usage(BaseModel):
@@ -164,14 +254,37 @@ class Usage(BaseModel):
 
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprobOut(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprobOut] | None
+    refusal: None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -184,16 +297,31 @@ class ChatCompletion(BaseModel):
     system_fingerprint: str | None = None
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    """A piece of a streamed call: the first carries its id, type and name, later ones argument text."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -209,7 +337,7 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(BaseModel):

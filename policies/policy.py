@@ -191,6 +191,8 @@ class Budget(_Strict):
 # USD per million tokens, roughly in proportion to the parameters each tier reads per token
 # (135M, 494M, 1.5B): what a hosted model of that size costs.
 DEFAULT_PRICES = {
+    # `/v1/embeddings` on the in-process MiniLM (gateway.embeddings): prompt tokens only
+    "minilm": TierPrice(prompt=Decimal("0.01"), cached_prompt=Decimal("0.01"), completion=Decimal("0")),
     "tiny": TierPrice(prompt=Decimal("0.03"), cached_prompt=Decimal("0.003"), completion=Decimal("0.10")),
     "small": TierPrice(prompt=Decimal("0.10"), cached_prompt=Decimal("0.01"), completion=Decimal("0.40")),
     "large": TierPrice(

@@ -130,9 +130,9 @@ def test_the_refusal_check_catches_a_planted_claim() -> None:
     readme = README.read_text()
     assert "response_format" in accepted_by_schema(), "the plant needs a field the schema accepts"
     assert refusal_claims(readme) == []
-    listed = readme + f"\n{REFUSED_LABEL} `tools`, `response_format`.\n"
+    listed = readme + f"\n{REFUSED_LABEL} `audio`, `response_format`.\n"
     assert refusal_claims(listed) == [f"{REFUSED_LABEL} lists `response_format`, which the schema accepts"]
-    in_prose = readme + "\nFields we know but do not serve yet (`tools`, `response_format`) get a 400.\n"
+    in_prose = readme + "\nFields we know but do not serve yet (`audio`, `response_format`) get a 400.\n"
     [problem] = refusal_claims(in_prose)
     assert problem.startswith("`response_format` is accepted by the schema")
     # ...and the exact-list test would fail too: the planted list is not the schema's.

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
+import numpy as np
 
 from engines.protocol import EngineUnavailable, RequestRejected, check_context
 from engines.remote.circuit_breaker import CircuitBreaker
@@ -220,6 +221,24 @@ class RemoteEngine:
         finally:
             self._running -= 1
 
+    async def embed(self, texts: list[str], dimensions: int | None) -> tuple[np.ndarray, int]:
+        """The server's `/v1/embeddings` for `texts`: the vectors, and the prompt tokens it reports (0: none)."""
+        if self._client is None:
+            raise EngineUnavailable(f"tier {self.name!r} is not started")
+        body: dict[str, Any] = {"model": self.config.model, "input": texts, "encoding_format": "float"}
+        if dimensions is not None:
+            body["dimensions"] = dimensions
+        try:
+            response = await self._client.post("/v1/embeddings", json=body)
+        except httpx.TransportError as exc:
+            raise EngineUnavailable(f"tier {self.name!r}: {exc}") from exc
+        if response.status_code >= 400:
+            raise RequestRejected(f"the remote server refused the embedding: {response.text[:300]}")
+        payload = response.json()
+        rows = sorted(payload["data"], key=lambda d: d["index"])
+        vectors = np.asarray([d["embedding"] for d in rows], dtype=np.float32)
+        return vectors, int((payload.get("usage") or {}).get("prompt_tokens") or 0)
+
     def _fail(
         self, request: EngineRequest, progress: _Progress, emit: Callable[[RequestOutput | _Failed], None], why: str
     ) -> None:
@@ -361,6 +380,8 @@ class RemoteEngine:
             body["seed"] = p.seed
         if p.stop:
             body["stop"] = list(p.stop)
+        if p.logit_bias:  # the same tokenizer's ids: the server behind a tier shares its model's vocabulary
+            body["logit_bias"] = {str(token): bias for token, bias in p.logit_bias}
         return body
 
 

@@ -78,8 +78,9 @@ def draft_token(logits: torch.Tensor, state: SamplingState) -> tuple[int, torch.
 
 def speculates(params: SamplingParams) -> bool:
     """Penalties make each position's distribution depend on the tokens before it in ways the verifying
-    forward does not see, so such requests decode plainly."""
-    return not (params.presence_penalty or params.frequency_penalty)
+    forward does not see, and a logit bias is not in the distributions acceptance compares, so such
+    requests decode plainly."""
+    return not (params.presence_penalty or params.frequency_penalty or params.logit_bias)
 
 
 def expected_tokens(alpha: float, k: int) -> float:

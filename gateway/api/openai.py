@@ -16,6 +16,7 @@ from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
+from gateway.api.logprobs import chat_logprobs, completion_logprobs
 from gateway.auth import CurrentPrincipal
 from gateway.deps import PipelineDep, StartedDep
 from gateway.errors import APIError, documented
@@ -35,9 +36,12 @@ from gateway.schemas import (
     CompletionRequest,
     ModelCard,
     ModelList,
+    ToolCall,
+    ToolCallDelta,
     chunk_json,
 )
 from gateway.streaming import ClientDisconnected, EventStreamResponse, sse, until_disconnect
+from gateway.tool_calls import CallParser, CallSpec, ParsedCall, Piece, parse_answer
 
 router = APIRouter(prefix="/v1", tags=["openai"], responses=documented(401, 413, 422, 503))
 
@@ -78,13 +82,36 @@ async def chat_completions(
     gen = await pipeline.start_chat(principal, body, request.headers.get(CACHE_CONTROL))
 
     def result(gen: Generation, texts: list[str], reasons: list[str | None]) -> ChatCompletion:
-        choices = [
-            ChatChoice(index=i, message=ChatMessageOut(content=t), finish_reason=r)
-            for i, (t, r) in enumerate(zip(texts, reasons, strict=True))
-        ]
+        choices = [_chat_choice(i, t, r, gen.plan.calls) for i, (t, r) in enumerate(zip(texts, reasons, strict=True))]
+        if (k := _asked(gen)) is not None:
+            for choice, tokens in zip(choices, gen.logprobs, strict=True):
+                choice.logprobs = chat_logprobs(tokens, gen.tokenizer, k)
         return ChatCompletion(id=gen.request_id, created=gen.created, model=gen.model, choices=choices, usage=gen.usage)
 
     return await _respond(request, pipeline, gen, body, _chat_events, result)
+
+
+def _chat_choice(index: int, text: str, reason: str | None, calls: CallSpec | None) -> ChatChoice:
+    """One choice; with tools, its text read for calls (`gateway.tool_calls`)."""
+    if calls is None:
+        return ChatChoice(index=index, message=ChatMessageOut(content=text), finish_reason=reason)
+    content, parsed = parse_answer(text, calls)
+    message = ChatMessageOut(content=content, tool_calls=[_tool_call(c) for c in parsed] or None)
+    return ChatChoice(index=index, message=message, finish_reason=_reason(reason, bool(parsed)))
+
+
+def _asked(gen: Generation) -> int | None:
+    """The alternatives per token the request asked for (0: the chosen token only), None for no logprobs."""
+    return gen.plan.work.requests[0].params.logprobs
+
+
+def _tool_call(call: ParsedCall) -> ToolCall:
+    return ToolCall.model_validate({"id": call.id, "function": {"name": call.name, "arguments": call.arguments}})
+
+
+def _reason(reason: str | None, called: bool) -> str | None:
+    """OpenAI's `tool_calls` for an answer that ended by itself with calls; a cut one stays `length`."""
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 @router.post("/completions", response_model=Completion, responses=_generation_responses("text_completion"))
@@ -94,10 +121,12 @@ async def completions(
     gen = await pipeline.start_completion(principal, body, request.headers.get(CACHE_CONTROL))
 
     def result(gen: Generation, texts: list[str], reasons: list[str | None]) -> Completion:
+        k = _asked(gen)
         choices = [
-            CompletionChoice(index=i, text=t, finish_reason=r)
+            CompletionChoice(index=i, text=t, finish_reason=r,
+                             logprobs=None if k is None else completion_logprobs(gen.logprobs[i], gen.tokenizer, k))
             for i, (t, r) in enumerate(zip(texts, reasons, strict=True))
-        ]
+        ]  # fmt: skip
         return Completion(id=gen.request_id, created=gen.created, model=gen.model, choices=choices, usage=gen.usage)
 
     return await _respond(request, pipeline, gen, body, _completion_events, result)
@@ -180,12 +209,42 @@ async def _chat_events(gen: Generation, include_usage: bool) -> AsyncIterator[st
         )
         return sse(chunk_json(c, include_usage))
 
+    parsers: dict[int, CallParser] = {}
+    spec, k = gen.plan.calls, _asked(gen)
+
     def delta_chunks(d: ChoiceDelta) -> list[str]:
+        choices = tool_choices(d) if spec is not None else plain_choices(d)
+        if k is not None and d.logprobs:  # the delta's tokens ride on its first chunk, or on one of their own
+            if not choices:
+                choices = [ChatChunkChoice(index=d.index, delta=ChatDelta())]
+            choices[0].logprobs = chat_logprobs(d.logprobs, gen.tokenizer, k)
+        return [chunk([c]) for c in choices]
+
+    def tool_choices(d: ChoiceDelta) -> list[ChatChunkChoice]:
+        assert spec is not None
+        parser = parsers.setdefault(d.index, spec.parser())
+        before = len(parser.calls)
+        piece = parser.feed(d.text)
+        if d.finish_reason:
+            last = parser.finish()
+            piece = Piece(piece.content + last.content, piece.calls + last.calls)
+        out = [ChatChunkChoice(index=d.index, delta=ChatDelta(content=piece.content))] if piece.content else []
+        for n, call in enumerate(piece.calls, start=before):  # the id and name first, then the arguments
+            first = ToolCallDelta.model_validate({"index": n, "id": call.id, "type": "function",
+                                                  "function": {"name": call.name, "arguments": ""}})  # fmt: skip
+            rest = ToolCallDelta.model_validate({"index": n, "function": {"arguments": call.arguments}})
+            out += [ChatChunkChoice(index=d.index, delta=ChatDelta(tool_calls=[delta])) for delta in (first, rest)]
+        if d.finish_reason:
+            reason = _reason(d.finish_reason, bool(parser.calls))
+            out.append(ChatChunkChoice(index=d.index, delta=ChatDelta(), finish_reason=reason))
+        return out
+
+    def plain_choices(d: ChoiceDelta) -> list[ChatChunkChoice]:
         out = []
         if d.text:
-            out.append(chunk([ChatChunkChoice(index=d.index, delta=ChatDelta(content=d.text))]))
+            out.append(ChatChunkChoice(index=d.index, delta=ChatDelta(content=d.text)))
         if d.finish_reason:
-            out.append(chunk([ChatChunkChoice(index=d.index, delta=ChatDelta(), finish_reason=d.finish_reason)]))
+            out.append(ChatChunkChoice(index=d.index, delta=ChatDelta(), finish_reason=d.finish_reason))
         return out
 
     for i in range(gen.num_choices):
@@ -201,8 +260,14 @@ async def _completion_events(gen: Generation, include_usage: bool) -> AsyncItera
         )
         return sse(chunk_json(c, include_usage))
 
+    k, offsets = _asked(gen), [0] * gen.num_choices
+
     def delta_chunks(d: ChoiceDelta) -> list[str]:
-        return [chunk([CompletionChoice(index=d.index, text=d.text, finish_reason=d.finish_reason)])]
+        logprobs = None
+        if k is not None:
+            logprobs = completion_logprobs(d.logprobs, gen.tokenizer, k, offsets[d.index])
+            offsets[d.index] += sum(len(t) for t in logprobs.tokens)
+        return [chunk([CompletionChoice(index=d.index, text=d.text, finish_reason=d.finish_reason, logprobs=logprobs)])]
 
     async for payload in _stream(gen, delta_chunks, (lambda: chunk([], usage=True)) if include_usage else None):
         yield payload

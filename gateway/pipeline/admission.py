@@ -22,6 +22,7 @@ import anyio
 
 from core.settings import Settings
 from engines.protocol import RequestRejected, TierEngine
+from engines.remote.engine import RemoteEngine
 from engines.request import EngineRequest
 from engines.sampling import SamplingParams
 from engines.tokenizer import ChatTemplateError
@@ -35,12 +36,14 @@ from gateway.pipeline.prompts import (
     Body,
     Prepared,
     answer_params,
+    chat_input,
     chat_messages,
     completion_prompts,
     grammar,
     prompt_conversations,
     sampling_params,
     tokenize,
+    tool_grammar,
     verifier_context,
 )
 from gateway.pipeline.refusals import model_not_allowed, model_not_found, reject_unsupported, unavailable
@@ -48,6 +51,7 @@ from gateway.pipeline.single_flight import Flights, Seat, join
 from gateway.routing import RoutingStage
 from gateway.schemas import UNSUPPORTED_CHAT, UNSUPPORTED_COMPLETION, ChatCompletionRequest, CompletionRequest
 from gateway.tenants import Principal
+from gateway.tool_calls import routing_turns, template_messages, tool_request
 from policies.budgets import BudgetError, Budgets, Reservation
 from policies.policy import Policy
 from policies.pricing import worst_case
@@ -128,16 +132,26 @@ class Admission:
         if not routed:
             self.engine(body.model, policy.policy)  # an unknown or forbidden tier is refused before anything else
         reject_unsupported(body, UNSUPPORTED_CHAT)
-        messages = chat_messages(body)
+        tools = tool_request(body)
+        if tools is not None and body.response_format is not None and body.response_format.type != "text":
+            raise invalid("`response_format` cannot be combined with `tools`: a call's arguments already follow "
+                          "its function's schema.", param="response_format")  # fmt: skip
+        messages = [*routing_turns(tools), *chat_messages(body)]  # the router sees the tools offered, and how many
         route = await self.routing.route(principal, policy.policy, [messages], self.salt(principal)) if routed else None
         engine = self.engine(route.tier if route else body.model, policy.policy)
         # The model (and the cache key) see the policy's instruction; routing and stored prompts see the client's.
-        shown = instructed(messages, policy.policy.sampling.system_instruction)
+        shown = instructed(template_messages(body), policy.policy.sampling.system_instruction)
+        turns, offered = chat_input(engine.tokenizer, shown, tools)
+        chars = sum(len(m["content"]) for m in turns) + (len(str(offered)) if offered else 0)
         try:
-            prompt = await tokenize(sum(len(m["content"]) for m in shown), engine.tokenizer.encode_chat, shown)
+            prompt = await tokenize(chars, engine.tokenizer.encode_chat, turns, offered)
         except ChatTemplateError as exc:
             raise invalid(str(exc), param="messages") from None
         max_tokens = body.max_completion_tokens or body.max_tokens
+        if tools is None:
+            constraint, calls = await grammar(engine, body.response_format), None
+        else:
+            constraint, calls = await tool_grammar(engine, tools)
         prepared = Prepared(
             endpoint="chat.completions",
             id_prefix="chatcmpl",
@@ -147,7 +161,8 @@ class Admission:
             conversation=shown,
             conversations=[messages],
             route=route,
-            grammar=await grammar(engine, body.response_format),
+            grammar=constraint,
+            calls=calls,
         )
         return await self._plan(principal, policy, body, prepared, cache_header, escalated_from)
 
@@ -203,6 +218,11 @@ class Admission:
         candidates = self.candidates(tier, policy.policy, requests)
         if p.grammar is not None:  # compiled for this engine's vocabulary: no other tier can take it
             candidates = [c for c in candidates if c.engine is p.engine]
+        if requests[0].params.logprobs is not None:  # a remote's server does not hand back token ids
+            if isinstance(p.engine, RemoteEngine):
+                raise invalid(f"Tier `{p.engine.name}` is remote; `logprobs` needs an in-process tier.",
+                              param="logprobs", code="unsupported_parameter")  # fmt: skip
+            candidates = [c for c in candidates if not isinstance(c.engine, RemoteEngine)]
         if not candidates:
             raise unavailable(body.model)
         seat = await self._lookup(request_id, principal, policy.policy, body, p, tier, requests[0].params, cache_header)
@@ -237,6 +257,7 @@ class Admission:
             conversations=tuple(p.conversations),
             lead=seat.lead,
             follow=seat.follow,
+            calls=p.calls,
         )
 
     def _engine_requests(
@@ -277,7 +298,7 @@ class Admission:
     ) -> Seat:
         """The response cache's answer for `body` on `tier`, or the key to store its answer under; and its
         place in single flight (a follower has waited here for its leader's answer, or its start if streamed)."""
-        if self.cache is None:
+        if self.cache is None or params.logprobs is not None:  # a stored answer keeps no logprobs
             return Seat(BYPASS)
         mode = cache_mode(body.model_extra, cache_header)
         decision = await self.cache.lookup(

@@ -11,10 +11,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from engines.protocol import TierEngine
-from engines.request import EngineRequest, RequestOutput
+from engines.request import EngineRequest, RequestOutput, TokenLogprob
 from gateway.cache_stage import CacheDecision
 from gateway.routing import RouteDecision
 from gateway.tenants import Principal
+from gateway.tool_calls import CallSpec
 from policies.budgets import Reservation
 from policies.store import Versioned
 from verifiers.hook import VerifierHook
@@ -28,6 +29,7 @@ class ChoiceDelta:
     index: int
     text: str
     finish_reason: str | None  # set on a choice's last delta
+    logprobs: tuple[TokenLogprob, ...] = ()  # the tokens generated since the last delta, when asked for
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,7 @@ class Plan:
     conversations: tuple[Any, ...] = ()  # what the router decided on
     lead: Flight | None = None  # single flight: identical requests in the air wait for this one's answer
     follow: Flight | None = None  # a streamed follower: the leader whose deltas it streams (`single_flight`)
+    calls: CallSpec | None = None  # answers are read for tool calls (`gateway.tool_calls`)
 
     @property
     def request_id(self) -> str:

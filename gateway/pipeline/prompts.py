@@ -17,6 +17,7 @@ from engines.tokenizer import Tokenizer
 from gateway.errors import invalid
 from gateway.routing import RouteDecision
 from gateway.schemas import MAX_SCHEMA_CHARS, ChatCompletionRequest, CompletionRequest, ResponseFormat
+from gateway.tool_calls import CallSpec, ToolRequest, fallback_messages, format_for, renders_tools, structural_tag
 from policies.policy import Policy
 from policies.sampling import Asked, resolve
 from verifiers.base import Context
@@ -29,7 +30,8 @@ T = TypeVar("T")
 INLINE_TOKENIZE_CHARS = 2048
 
 # Request fields that change the answer, besides the sampling parameters: part of the cache key.
-_ANSWER_FIELDS = ("tools", "tool_choice", "functions", "response_format", "logit_bias", "logprobs", "top_logprobs")
+_ANSWER_FIELDS = ("functions", "response_format")
+_TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")  # declared chat fields that change the answer
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class Prepared:
     conversations: list[Any]  # what the router decided on (and stores, and shadow runs re-ask)
     route: RouteDecision | None = None
     grammar: Grammar | None = None  # compiled for `engine`'s vocabulary
+    calls: CallSpec | None = None  # answers are parsed for tool calls
 
 
 async def tokenize(chars: int, fn: Callable[..., T], *args: Any) -> T:
@@ -54,8 +57,60 @@ async def tokenize(chars: int, fn: Callable[..., T], *args: Any) -> T:
 
 
 def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
-    """The client's conversation as plain text turns (`developer` is the system turn)."""
-    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+    """The client's conversation as plain text turns, what the router reads and stores (`developer` is the
+    system turn, a tool's result a user turn)."""
+    roles = {"developer": "system", "tool": "user"}
+    return [{"role": roles.get(m.role, m.role), "content": m.text()} for m in body.messages]
+
+
+def chat_input(
+    tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: ToolRequest | None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """The turns and tools for the tier's chat template: the template's own rendering where it knows tools, else
+    the Hermes tools block and turns (`tool_calls.fallback_messages`)."""
+    offered = list(tools.tools) if tools is not None else []
+    if renders_tools(tokenizer.chat_template):
+        return messages, offered or None
+    if offered or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+        return fallback_messages(messages, offered), None
+    return messages, None
+
+
+async def tool_grammar(engine: TierEngine, tools: ToolRequest) -> tuple[Grammar | None, CallSpec]:
+    """The grammar that keeps the tier's calls well formed, and how its answers are parsed. A remote tier has no
+    grammar: the server behind it generates unconstrained, and its text is parsed the same way."""
+    fmt = format_for(engine.tokenizer.chat_template)
+    spec = CallSpec(fmt, tools.names)
+    compiler = await anyio.to_thread.run_sync(lambda: engine.grammars)  # built on first use: ~0.1-1 s
+    if compiler is None:
+        return None, spec
+    tag = structural_tag(fmt, list(tools.tools), tools.choice, tools.parallel)
+    try:
+        compiled = await anyio.to_thread.run_sync(compiler.structural_tag, tag)
+    except GrammarError as exc:
+        raise invalid(_culprit(compiler, tools) or str(exc), param="tools") from None
+    return compiled, spec
+
+
+def _culprit(compiler: Any, tools: ToolRequest) -> str | None:
+    """Which function's `parameters` the compiler refuses, and why (the structural tag's error names none)."""
+    for i, tool in enumerate(tools.tools):
+        try:
+            compiler.json_schema(tool["function"].get("parameters") or {"type": "object"})
+        except GrammarError as exc:
+            return f"tools[{i}] (`{tool['function']['name']}`): its `parameters` {exc}"
+    return None
+
+
+async def _compiler(engine: TierEngine, param: str) -> Any:
+    compiler = await anyio.to_thread.run_sync(lambda: engine.grammars)  # built on first use: ~0.1-1 s
+    if compiler is None:
+        raise invalid(
+            f"Tier `{engine.name}` cannot constrain its output; `{param}` needs an in-process tier.",
+            param=param,
+            code="unsupported_parameter",
+        )
+    return compiler
 
 
 def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]], tokenizer: Tokenizer) -> list[list[int]]:
@@ -78,13 +133,7 @@ async def grammar(engine: TierEngine, fmt: ResponseFormat | None) -> Grammar | N
     """The token grammar a `response_format` asks for (compiled off the event loop), or None for text."""
     if fmt is None or fmt.type == "text":
         return None
-    compiler = await anyio.to_thread.run_sync(lambda: engine.grammars)  # built on first use: ~0.1-1 s
-    if compiler is None:
-        raise invalid(
-            f"Tier `{engine.name}` cannot constrain its output; `response_format` needs an in-process tier.",
-            param="response_format",
-            code="unsupported_parameter",
-        )
+    compiler = await _compiler(engine, "response_format")
     try:
         if fmt.type == "json_object":
             return await anyio.to_thread.run_sync(compiler.any_json)
@@ -130,6 +179,8 @@ def sampling_params(
             presence_penalty=s.presence_penalty,
             frequency_penalty=s.frequency_penalty,
             stop=s.stop,
+            logprobs=logprobs_asked(body),
+            logit_bias=logit_bias(body, engine),
         )
         engine.check(prompt, params.max_tokens)
     except RequestRejected as exc:
@@ -138,6 +189,29 @@ def sampling_params(
     except ValueError as exc:
         raise invalid(str(exc)) from None
     return params, min(max_tokens, max(room, 1))
+
+
+def logprobs_asked(body: Body) -> int | None:
+    """Alternatives per token the response shows (0: the chosen token's only), or None for no logprobs."""
+    if isinstance(body, CompletionRequest):
+        return body.logprobs
+    if body.top_logprobs is not None and not body.logprobs:
+        raise invalid("`top_logprobs` needs `logprobs: true`.", param="top_logprobs")
+    return (body.top_logprobs or 0) if body.logprobs else None
+
+
+def logit_bias(body: Body, engine: TierEngine) -> tuple[tuple[int, float], ...]:
+    """`logit_bias` as (token id, bias) pairs, each id checked against the tier's vocabulary."""
+    if not body.logit_bias:
+        return ()
+    vocab = len(engine.tokenizer.hf)
+    out = []
+    for key, bias in body.logit_bias.items():
+        if not (key.isdigit() and int(key) < vocab):
+            raise invalid(f"`logit_bias` keys are token ids of this tier's vocabulary, 0 to {vocab - 1}; "
+                          f"{key!r} is not one.", param="logit_bias")  # fmt: skip
+        out.append((int(key), float(bias)))
+    return tuple(sorted(out))
 
 
 def answer_params(body: Body, params: SamplingParams) -> dict[str, Any]:
@@ -153,9 +227,17 @@ def answer_params(body: Body, params: SamplingParams) -> dict[str, Any]:
         "n": body.n,
         "presence_penalty": params.presence_penalty,
         "frequency_penalty": params.frequency_penalty,
+        "logit_bias": [list(pair) for pair in params.logit_bias] or None,
         **{k: extra[k] for k in _ANSWER_FIELDS if extra.get(k) is not None},
+        **{k: _json(getattr(body, k)) for k in _TOOL_FIELDS if getattr(body, k, None) is not None},
         **({"response_format": fmt} if (fmt := response_format(body)) is not None else {}),
     }
+
+
+def _json(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_json(v) for v in value]
+    return value.model_dump(exclude_none=True) if hasattr(value, "model_dump") else value
 
 
 def response_format(body: Body) -> dict[str, Any] | None:

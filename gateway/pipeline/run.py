@@ -29,7 +29,8 @@ from typing import Any, Protocol, TypeVar
 import anyio
 
 from engines.protocol import EngineUnavailable, OutputStream, RequestRejected
-from engines.request import FinishReason, RequestOutput
+from engines.request import FinishReason, RequestOutput, TokenLogprob
+from engines.tokenizer import Tokenizer
 from gateway.cache_stage import CacheStage
 from gateway.errors import APIError, invalid
 from gateway.pipeline import cache_store, cascade, single_flight
@@ -62,6 +63,7 @@ class _RunState:
     stream: OutputStream | None = None  # once a tier took the requests
     started: float | None = None  # a tier was first asked (or the replay began): latency counts from here
     texts: list[str] = field(default_factory=list)  # each choice's text so far, once it runs on a tier
+    logprobs: list[list[TokenLogprob]] = field(default_factory=list)  # each choice's tokens', when asked for
     reasons: list[str | None] = field(default_factory=list)  # each choice's finish reason so far
     completion_tokens: int = 0
     ttft: float | None = None  # seconds from start to the first generated text (engine runs only)
@@ -104,6 +106,16 @@ class Generation:
     def tier(self) -> str:
         """The tier that serves (a fallback when the requested one is down)."""
         return self._state.serving.name
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The serving tier's tokenizer: what its token ids (logprobs) mean."""
+        return self._state.serving.engine.tokenizer
+
+    @property
+    def logprobs(self) -> list[list[TokenLogprob]]:
+        """Each choice's generated tokens with their log-probabilities (empty unless the request asked)."""
+        return self._state.logprobs or [[] for _ in range(self.num_choices)]
 
     @property
     def usage(self) -> Usage:
@@ -195,7 +207,7 @@ class Generation:
         """Run on the engines; a leader's followers see each delta as it comes."""
         s, lead = self._state, self.plan.lead
         n = self.plan.work.num_choices
-        s.texts, s.reasons = [""] * n, [None] * n
+        s.texts, s.reasons, s.logprobs = [""] * n, [None] * n, [[] for _ in range(n)]
         try:
             try:
                 stream = await self.begin()
@@ -281,10 +293,12 @@ class Generation:
         i = self._index[out.request_id]
         s.reasons[i] = out.finish_reason.value if out.finish_reason else None
         s.texts[i] += out.text
+        logprobs = out.logprobs if self.plan.work.requests[i].params.logprobs is not None else ()
+        s.logprobs[i] += logprobs
         if out.text and s.ttft is None:
             assert s.started is not None
             s.ttft = time.perf_counter() - s.started
-        return ChoiceDelta(i, out.text, s.reasons[i]) if out.text or s.reasons[i] else None
+        return ChoiceDelta(i, out.text, s.reasons[i], logprobs) if out.text or s.reasons[i] or logprobs else None
 
     async def _replay(self, answer: CachedAnswer) -> AsyncIterator[ChoiceDelta]:
         """Answer from the cache: the stored texts as choice deltas; billed as a cache hit."""

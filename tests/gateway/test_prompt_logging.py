@@ -111,7 +111,7 @@ def send_everything(live: LiveServer, t: Tenant) -> dict[str, str]:
 
     refused = [
         httpx.post(chat, json={"model": "small", "messages": say, "temperature": 5}, headers=auth),
-        httpx.post(chat, json={"model": "small", "messages": say, "tools": [{"type": "function"}]}, headers=auth),
+        httpx.post(chat, json={"model": "small", "messages": say, "audio": {"voice": "alloy"}}, headers=auth),
         httpx.post(
             chat, json={"model": "small", "messages": [{"role": "user", "content": t.marker * 3000}]}, headers=auth
         ),
@@ -133,10 +133,10 @@ def test_prompts_are_logged_only_for_the_tenant_that_opted_in(
     # An unhandled error whose message quotes the prompt, as a pydantic or KeyError message would.
     tokenizer, encode_chat = small_engine.engine.tokenizer, small_engine.engine.tokenizer.encode_chat
 
-    def failing(messages: list[dict]) -> list[int]:
+    def failing(messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         if any("EXPLODE" in m["content"] for m in messages):
             raise KeyError(f"no template for {messages!r}")
-        return encode_chat(messages)
+        return encode_chat(messages, tools)
 
     monkeypatch.setattr(tokenizer, "encode_chat", failing)
     for t in (open_, shut):

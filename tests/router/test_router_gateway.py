@@ -489,3 +489,23 @@ def test_the_routed_prompt_check_sees_a_swapped_tenant_id(gateway: Gateway) -> N
         del store.add
     one, two = sent
     assert kept == {one: [sent[two]], two: []}  # what the check above fails on
+
+
+def test_auto_routes_tool_requests_seeing_the_tools(gateway: Gateway) -> None:
+    """A tool request goes through `auto` like any other: routed, its calls valid, and what the router read
+    (and the tenant's store keeps) names the tools offered and how many."""
+    _, key, tenant_id = gateway.tenant(store_prompts=True)
+    tools = [{"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+        for name in ("get_weather", "get_time")]  # fmt: skip
+    r = gateway.chat(key, "What's the weather in Oslo?", tools=tools, tool_choice="required", max_tokens=48)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-switchboard-tier"] in ("small", "large") and r.headers[P_HEADER]
+    calls = r.json()["choices"][0]["message"]["tool_calls"]
+    assert calls and all(json.loads(c["function"]["arguments"])["city"] for c in calls)
+    deadline = time.monotonic() + 30
+    while not (kept := RoutedPromptStore(gateway.live.db).recent(tenant_id)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (conversation,) = kept
+    assert conversation[0] == {"role": "system", "content": "The assistant may call 2 tools: get_time, get_weather."}
+    assert conversation[1]["content"] == "What's the weather in Oslo?"
