@@ -64,6 +64,9 @@ class TierSettings(BaseModel):
     # (and context length) prompts are tokenized with here.
     url: str | None = Field(None, description="root URL of an OpenAI-compatible server serving this tier")
     remote_model: str | None = Field(None, description="the model name the remote serves; default: `model`")
+    embedding_model: str | None = Field(
+        None, description="the model the remote's /v1/embeddings serves (`model: <this tier>`); default: remote_model"
+    )
     api_key: SecretStr | None = Field(None, description="bearer key for the remote")
     api_key_env: str | None = Field(None, description="name of an environment variable holding the remote's key")
     timeout_s: float = Field(600.0, gt=0, description="a remote call from start to last token, retries included")

@@ -144,7 +144,7 @@ class Embeddings:
             tenant_id=run.principal.tenant_id,
             api_key_id=run.principal.key_id,
             endpoint="embeddings",
-            model=run.remote.config.model if run.remote is not None else CHECKPOINT,
+            model=(run.remote.config.embedding_model or run.remote.config.model) if run.remote else CHECKPOINT,
             tier=run.tier,
             latency_ms=round(seconds * 1000),
             status=run.status,

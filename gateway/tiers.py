@@ -96,6 +96,7 @@ def load_remote(settings: Settings, name: str, tier: TierSettings) -> RemoteEngi
     config = RemoteConfig(
         url=tier.url,
         model=tier.remote_model or tier.model,
+        embedding_model=tier.embedding_model,
         api_key=api_key,
         timeout_s=tier.timeout_s,
         connect_timeout_s=tier.connect_timeout_s,

@@ -45,6 +45,7 @@ REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": Fi
 class RemoteConfig:
     url: str  # the server's root; calls go to {url}/v1/completions
     model: str  # the model name the remote serves
+    embedding_model: str | None = None  # the model its /v1/embeddings serves; None: `model`
     api_key: str | None = None
     timeout_s: float = 600.0  # one call from start to last token, retries included
     connect_timeout_s: float = 5.0
@@ -225,7 +226,8 @@ class RemoteEngine:
         """The server's `/v1/embeddings` for `texts`: the vectors, and the prompt tokens it reports (0: none)."""
         if self._client is None:
             raise EngineUnavailable(f"tier {self.name!r} is not started")
-        body: dict[str, Any] = {"model": self.config.model, "input": texts, "encoding_format": "float"}
+        model = self.config.embedding_model or self.config.model
+        body: dict[str, Any] = {"model": model, "input": texts, "encoding_format": "float"}
         if dimensions is not None:
             body["dimensions"] = dimensions
         try:

@@ -465,6 +465,7 @@ def gateway(
             "model": str(smollm2_dir),  # its tokenizer; the remote serves the same model as tier `small`
             "url": remote.url,
             "remote_model": "small",
+            "embedding_model": "minilm",  # the remote switchboard's own embedder
             "api_key_env": KEY_ENV,
             "fallback": "small",
             "max_retries": 1,
@@ -564,3 +565,18 @@ def test_remote_tier_serves_falls_back_while_down_and_recovers(gateway: Gateway)
     assert httpx.get(f"{gateway.live.base_url}/healthz").json()["engines"]["remote"]["breaker"] == "closed"
     rows = gateway.live.usage_rows(tenant_id=tenant_id)
     assert len(rows) == 2 * 2 + 2 + 1  # one per request: local and remote pairs, two fallbacks, one recovered
+
+
+def test_embeddings_on_a_remote_tier_are_its_servers_own(gateway: Gateway) -> None:
+    """`model: "remote"` on /v1/embeddings goes to the remote's /v1/embeddings (its `embedding_model`): the
+    vectors and token count are what that server answers directly; one row here, priced at `remote`."""
+    client, tenant_id, _ = gateway.tenant()
+    texts = ["The cat sat on the mat.", "Paris is the capital of France."]
+    got = client.embeddings.create(model="remote", input=texts)
+    direct = openai.OpenAI(base_url=f"{gateway.remote.url}/v1", api_key=gateway.remote.key, max_retries=0)
+    want = direct.embeddings.create(model="minilm", input=texts)
+    assert [d.embedding for d in got.data] == [d.embedding for d in want.data]
+    assert got.usage.prompt_tokens == want.usage.prompt_tokens > 0
+    (row,) = gateway.live.usage_rows(tenant_id=tenant_id)
+    assert (row.endpoint, row.tier, row.model, row.completion_tokens) == ("embeddings", "remote", "minilm", 0)
+    assert row.cost == Decimal(want.usage.prompt_tokens) * Decimal("1.00") / Decimal(1_000_000)

@@ -313,3 +313,39 @@ def test_killed_mid_stream_falls_back_then_the_breaker_closes(setup: Setup) -> N
     assert [(rows[i].tier, rows[i].status) for i in ids] == [("remote", "error"), ("small", "ok"), ("small", "ok"),
                                                              ("remote", "ok"), ("remote", "ok")]  # fmt: skip
     assert (rows[back.id].prompt_tokens, rows[back.id].completion_tokens) == before.usage
+
+
+def test_tools_on_the_remote_tier_are_its_servers_answer_read_for_calls(setup: Setup) -> None:
+    """Tools reach the remote tier rendered by the tier's template (SmolLM2's knows none: the Hermes block), and
+    its server's text comes back read by the gateway's own parser: the same content and calls as llama.cpp's
+    direct answer to that prompt, parsed the same way; billed once."""
+    from gateway.pipeline.prompts import chat_input
+    from gateway.schemas import ChatCompletionRequest
+    from gateway.tool_calls import HERMES, CallSpec, parse_answer, template_messages, tool_request
+
+    client, tenant_id, _ = setup.tenant()
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "The weather in a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+            },
+        }
+    ]
+    messages = [{"role": "user", "content": "What is the weather in Paris? Use the tool."}]
+    got = client.chat.completions.create(model="remote", messages=messages, tools=tools, temperature=0,
+                                         max_tokens=MAX_TOKENS, extra_headers=NO_STORE)  # fmt: skip
+    body = ChatCompletionRequest.model_validate({"model": "remote", "messages": messages, "tools": tools})
+    tokenizer = setup.engine.tokenizer
+    turns, offered = chat_input(tokenizer, template_messages(body), tool_request(body))
+    prompt = tokenizer.render_chat(turns, offered)
+    direct = setup.direct.completions.create(model=ALIAS, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS)
+    content, calls = parse_answer(direct.choices[0].text, CallSpec(HERMES, frozenset({"get_weather"})))
+    message = got.choices[0].message
+    assert message.content == content
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls or []] == [
+        (c.name, c.arguments) for c in calls
+    ]
+    assert setup.billed_once(tenant_id, [got.id])[got.id].tier == "remote"
