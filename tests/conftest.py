@@ -11,7 +11,7 @@ import gc
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -156,6 +156,26 @@ def small_engine(smollm2_dir: Path) -> Iterator[AsyncEngine]:
     engine.start()
     yield engine
     engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def live(small_engine: AsyncEngine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """The gateway on a real port, serving SmolLM2 as `small`, on SQLite only: for API tests that are about the
+    OpenAI contract, not the database."""
+    from live import serve_gateway
+
+    home = tmp_path_factory.mktemp("live")
+    server, stop = serve_gateway(small_engine, home, f"sqlite:///{home / 'db.sqlite'}")
+    yield server
+    stop()
+
+
+@pytest.fixture
+def client(live: LiveServer) -> Any:
+    """The official `openai` client on `live`, with a new tenant's key."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{live.base_url}/v1", api_key=live.new_key(), max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module", params=["sqlite", "postgresql"])

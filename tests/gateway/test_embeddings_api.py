@@ -5,10 +5,7 @@ bad input is a 4xx naming the field."""
 
 from __future__ import annotations
 
-import tempfile
-from collections.abc import Iterator
 from decimal import Decimal
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,20 +14,11 @@ import openai
 import pytest
 
 from core.embedder import minilm_path
-from engines.async_engine import AsyncEngine
 from gateway.tenants import authenticate
-from live import LiveServer, serve_gateway
+from live import LiveServer
 from policies.policy import PER_MILLION, Policy, RateLimits
 
 TEXTS = ["The cat sat on the mat.", "Paris is the capital of France.", "héllo wörld"]
-
-
-@pytest.fixture(scope="module")
-def live(small_engine: AsyncEngine) -> Iterator[LiveServer]:
-    home = Path(tempfile.mkdtemp(prefix="embeddings-"))
-    server, stop = serve_gateway(small_engine, home, f"sqlite:///{home / 'db.sqlite'}")
-    yield server
-    stop()
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +29,9 @@ def reference() -> Any:
 
 
 def post(live: LiveServer, key: str, body: dict[str, Any]) -> httpx.Response:
-    return httpx.post(f"{live.base_url}/v1/embeddings", json=body, headers={"Authorization": f"Bearer {key}"})
+    return httpx.post(
+        f"{live.base_url}/v1/embeddings", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120
+    )
 
 
 def test_vectors_are_sentence_transformers_own_and_billed_once(live: LiveServer, reference: Any) -> None:

@@ -5,8 +5,6 @@ not; the listed tokens spell the answer; the bias moves the choice; bad values a
 
 from __future__ import annotations
 
-import tempfile
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -17,24 +15,11 @@ import pytest
 import torch
 
 from engines.async_engine import AsyncEngine
-from live import LiveServer, serve_gateway
+from live import LiveServer
 
 ASK = [{"role": "user", "content": "Name the capital of France."}]
 BF16_TOLERANCE = 0.15  # |ours − transformers fp32| per token: bf16 weights and activations against fp32
 NO_STORE = {"x-switchboard-cache-control": "no-store"}
-
-
-@pytest.fixture(scope="module")
-def live(small_engine: AsyncEngine) -> Iterator[LiveServer]:
-    home = Path(tempfile.mkdtemp(prefix="logprobs-"))
-    server, stop = serve_gateway(small_engine, home, f"sqlite:///{home / 'db.sqlite'}")
-    yield server
-    stop()
-
-
-@pytest.fixture
-def client(live: LiveServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{live.base_url}/v1", api_key=live.new_key(), max_retries=0, timeout=120)
 
 
 def chat(client: openai.OpenAI, **kwargs: Any) -> Any:
@@ -124,6 +109,6 @@ def test_bad_logprobs_and_bias_are_errors_naming_the_field(
     live: LiveServer, extra: dict[str, Any], status: int, param: str
 ) -> None:
     r = httpx.post(f"{live.base_url}/v1/chat/completions", json={"model": "small", "messages": ASK, **extra},
-                   headers={"Authorization": f"Bearer {live.new_key()}"})  # fmt: skip
+                   headers={"Authorization": f"Bearer {live.new_key()}"}, timeout=120)  # fmt: skip
     assert r.status_code == status, r.text
     assert r.json()["error"]["param"] == param

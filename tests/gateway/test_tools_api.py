@@ -8,9 +8,6 @@ answer made under other tools."""
 from __future__ import annotations
 
 import json
-import tempfile
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,8 +15,7 @@ import jsonschema
 import openai
 import pytest
 
-from engines.async_engine import AsyncEngine
-from live import LiveServer, serve_gateway
+from live import LiveServer
 
 SCHEMAS = {
     "get_weather": {"type": "object", "properties": {"city": {"type": "string"},
@@ -35,19 +31,6 @@ TOOLS: list[Any] = [
 ASK = [{"role": "user", "content": "What is the weather in Paris and the time in Tokyo?"}]
 NO_STORE = {"x-switchboard-cache-control": "no-store"}
 CHOICES: list[Any] = ["auto", "required", {"type": "function", "function": {"name": "get_time"}}]
-
-
-@pytest.fixture(scope="module")
-def live(small_engine: AsyncEngine) -> Iterator[LiveServer]:
-    home = Path(tempfile.mkdtemp(prefix="tools-"))
-    server, stop = serve_gateway(small_engine, home, f"sqlite:///{home / 'db.sqlite'}")
-    yield server
-    stop()
-
-
-@pytest.fixture
-def client(live: LiveServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{live.base_url}/v1", api_key=live.new_key(), max_retries=0, timeout=120)
 
 
 def valid(calls: list[Any]) -> list[tuple[str, dict]]:
@@ -165,7 +148,9 @@ def test_bad_tool_input_is_a_400_naming_the_field_and_bills_nothing(
 ) -> None:
     key = live.new_key()
     body = {"model": "small", "messages": ASK, **extra}
-    r = httpx.post(f"{live.base_url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+    r = httpx.post(
+        f"{live.base_url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120
+    )
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and says in error["message"], error
