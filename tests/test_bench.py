@@ -40,6 +40,7 @@ HELP_ONLY = {
     "soak": "minutes of mixed load on a live gateway by design; how it judges what it saw is tested below",
     "spec_decode": "serves Qwen2.5-Coder-1.5B int8 with 0.5B drafts: tens of seconds at the smallest",
     "verifiers": "loads both configured tiers and answers GSM8K problems on them",
+    "tools": "serves the Qwen pair and runs transformers on BFCL questions: minutes at the smallest",
 }
 
 
@@ -314,3 +315,29 @@ def test_soak_counts_ledger_rows_excused_refusals_and_growth(bench_module: Calla
     assert (v.expected_rows, v.lost_rows, v.lost_examples, v.unexpected_rows, v.duplicate_ids) == (4, 1, ["c"], 1, 0)
     assert v.unexpected_5xx == 4  # the late 503, soak-open's 503, the stream's error event, the 500
     assert v.rss_growth_pct == pytest.approx(2.0) and v.fd_growth == 1 and v.kv_blocks_leaked == 2
+
+
+def test_bench_tools_scores_with_bfcls_own_checker() -> None:
+    """bench.tools' pieces on BFCL's real data: its OpenAI conversion, its AST checker through the stub (the
+    ground truth passes, a wrong value or a missing call fails, irrelevance wants no call), the anchor's lenient
+    parser, and the malformed-call count."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from bench import bfcl
+    from bench.tools import decoded, lenient_calls, malformed
+
+    q = next(q for q in bfcl.questions("simple_python", None) if q.id == "simple_python_0")
+    (tool,) = bfcl.openai_tools(q.functions)
+    assert tool["function"]["name"] == "calculate_triangle_area" and tool["function"]["parameters"]["type"] == "object"
+    right = [("calculate_triangle_area", {"base": 10, "height": 5})]
+    assert bfcl.correct(q, right) and not bfcl.correct(q, [("calculate_triangle_area", {"base": 9, "height": 5})])
+    assert not bfcl.correct(q, [])
+    dotted = next(q for q in bfcl.questions("simple_python", None) if q.id == "simple_python_1")  # math.factorial
+    assert bfcl.correct(dotted, [("math_factorial", {"number": 5})])
+    irrelevant = bfcl.questions("irrelevance", 1)[0]
+    assert bfcl.correct(irrelevant, []) and not bfcl.correct(irrelevant, [("anything", {})])
+    text = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    assert lenient_calls(text) == [("f", {"a": 1})]
+    assert lenient_calls('```json\n[{"name": "g", "parameters": {"b": 2}}]\n```') == [("g", {"b": 2})]
+    assert decoded([["f", '{"a": 1}']]) == [("f", {"a": 1})] and decoded([["f", "{oops"]]) is None
+    assert malformed(q, [["calculate_triangle_area", '{"base": 10, "height": 5}']]) == 0
+    assert malformed(q, [["calculate_triangle_area", '{"base": "ten"}'], ["nope", "{}"], ["x", "{oops"]]) == 3
