@@ -159,3 +159,33 @@ def test_greedy_steps_take_the_argmax_on_the_gpu_and_others_sample_on_the_cpu(ti
     for penalized in (False, True):
         assert run(gpu, penalized) == run(cpu, penalized)
     assert gpu.runner.graphs is not None and gpu.runner.graphs.steps > 0
+
+
+def _logprob_run(engine: Engine, params: SamplingParams) -> tuple[list[int], list[float], list[list[int]]]:
+    """Tokens, their logprobs and their top alternatives' ids, stepping the engine directly."""
+    engine.add_request(EngineRequest("lp", list(range(3, 15)), params))
+    tokens, logprobs, tops = [], [], []
+    while engine.has_unfinished():
+        for out in engine.step():
+            for t in out.logprobs:
+                tokens.append(t.token_id)
+                logprobs.append(t.logprob)
+                tops.append([i for i, _ in t.top])
+    return tokens, logprobs, tops
+
+
+@cuda
+def test_logprobs_and_logit_bias_on_the_gpu_match_the_cpu(tiny_dir: Path) -> None:
+    """Greedy steps with logprobs take the GPU's argmax path (only ids leave it) and still report the model's
+    log-softmax; a logit bias sends the row to the CPU sampler. Both agree with the CPU engine."""
+    config = EngineConfig(kv_cache_bytes=1 << 22, block_size=16)
+    cpu = Engine.from_dir(tiny_dir, dtype="fp32", config=config)
+    gpu = Engine.from_dir(tiny_dir, dtype="fp32", config=config, device="cuda")
+    plain = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3, ignore_eos=True)
+    want, got = _logprob_run(cpu, plain), _logprob_run(gpu, plain)
+    assert got[0] == want[0] and len(got[1]) == 6 and [top[0] for top in got[2]] == got[0]  # greedy: the argmax
+    assert max(abs(a - b) for a, b in zip(got[1], want[1], strict=True)) < 1e-3
+    banned = SamplingParams(max_tokens=6, temperature=0.0, logprobs=0, ignore_eos=True,
+                            logit_bias=((want[0][0], -100.0),))  # fmt: skip
+    biased_cpu, biased_gpu = _logprob_run(cpu, banned), _logprob_run(gpu, banned)
+    assert biased_gpu[0] == biased_cpu[0] and biased_gpu[0][0] != want[0][0]
