@@ -82,7 +82,9 @@ class GrammarCompiler:
         self._compile = functools.lru_cache(maxsize=256)(self._compile_uncached)
 
     def json_schema(self, schema: Mapping[str, Any]) -> Grammar:
-        return self._compile("schema", json.dumps(schema, sort_keys=True))
+        # Key order kept: an object's properties are generated in the order the schema lists them (sorted,
+        # a tool's `end_location` came before its `start_location`, against the model's habit).
+        return self._compile("schema", json.dumps(schema))
 
     def any_json(self) -> Grammar:
         """Any JSON object (OpenAI's `json_object`), compact: the free-whitespace JSON grammar let small
@@ -95,7 +97,7 @@ class GrammarCompiler:
     def structural_tag(self, tag: Mapping[str, Any]) -> Grammar:
         """xgrammar's structural tag (its JSON form): free text and tagged spans, each span held to its own
         format (tool calls: `gateway.tool_calls.grammar`)."""
-        return self._compile("structural tag", json.dumps(tag, sort_keys=True))
+        return self._compile("structural tag", json.dumps(tag))
 
     def _compile_uncached(self, kind: str, spec: str) -> Grammar:
         import xgrammar as xgr

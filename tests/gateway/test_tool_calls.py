@@ -138,6 +138,12 @@ def test_the_structural_tags_accept_calls_and_refuse_malformed_ones(
     named = {"type": "function", "function": {"name": "get_weather"}}
     forced = compiler.structural_tag(structural_tag(HERMES, TOOLS, named, parallel=True))
     assert run(forced, tok, call("get_weather", WEATHER)) and not run(forced, tok, good)
+    route = {"type": "object", "properties": {"start": {"type": "string"}, "end": {"type": "string"}},
+             "required": ["start", "end"]}  # fmt: skip
+    ordered = compiler.structural_tag(structural_tag(HERMES, [{"type": "function", "function": {
+        "name": "route", "parameters": route}}], "required", parallel=True))  # fmt: skip
+    assert run(ordered, tok, call("route", {"start": "A", "end": "B"}))  # in the schema's order, as the model reads it
+    assert not run(ordered, tok, call("route", {"end": "B", "start": "A"}))
     with pytest.raises(GrammarError):
         bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "$ref": "#/nope"}}}]
         compiler.structural_tag(structural_tag(HERMES, bad, "auto", parallel=True))
