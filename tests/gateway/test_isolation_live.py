@@ -207,7 +207,8 @@ def kv_tier_cached(
                 running_pipeline(live.app).salt = lambda principal: ""  # type: ignore[method-assign]
             for name in senders:
                 keys.setdefault(name, live.new_key())
-                who = Tenant(httpx.Client(base_url=live.base_url, headers={"Authorization": f"Bearer {keys[name]}"}), 0)
+                auth = {"Authorization": f"Bearer {keys[name]}"}  # 120 s: a fresh engine prefills ~1,270 tokens
+                who = Tenant(httpx.Client(base_url=live.base_url, headers=auth, timeout=120), 0)
                 rid = who.chat(messages, cache="no-store").json()["id"]
                 (row,) = live.wait_for_usage(rid)
                 if turn:
