@@ -91,15 +91,28 @@ async def run_gateway(url: str, key: str, tier: str, qs: list[bfcl.Question], ou
         await asyncio.gather(*(ask(q) for q in todo))
 
 
-def gateway_costs(db_url: str, rows: list[dict]) -> Decimal:
+def ledger_costs(db_url: str, out: Path, tier: str) -> None:
+    """Each answered request's ledger cost, into `ledger-<tier>.json` (request id → cost as a string): the run's
+    database goes with the gateway, and a resumed run's requests are in another one."""
     from sqlalchemy import select
 
     from core.db.database import Database
     from core.db.models import Usage
 
-    ids = [r["request_id"] for r in rows if r.get("request_id")]
+    path = out / f"ledger-{tier}.json"
+    kept = json.loads(path.read_text()) if path.exists() else {}
+    ids = [r["request_id"] for r in _load(out / f"ours-{tier}.jsonl").values() if r.get("request_id")]
     with Database(db_url).session() as s:
-        return sum((u.cost for u in s.scalars(select(Usage).where(Usage.request_id.in_(ids)))), Decimal(0))
+        kept |= {u.request_id: str(u.cost) for u in s.scalars(select(Usage).where(Usage.request_id.in_(ids)))}
+    path.write_text(json.dumps(kept))
+
+
+def costs(out: Path, tier: str) -> Decimal | None:
+    """The ledger's total for the tier's answers, None unless every answer's cost is known."""
+    path, rows = out / f"ledger-{tier}.json", _load(out / f"ours-{tier}.jsonl")
+    kept = json.loads(path.read_text()) if path.exists() else {}
+    ids = [r["request_id"] for r in rows.values() if r.get("request_id")]
+    return sum((Decimal(kept[i]) for i in ids), Decimal(0)) if ids and all(i in kept for i in ids) else None
 
 
 # --- the anchor: transformers, unconstrained -----------------------------------------------------------
@@ -203,14 +216,14 @@ def main() -> int:
     with gateway(args.home, args.out, THREADS) as (url, key, db_url):  # ours first: minutes, the anchor hours
         for tier in args.tiers:
             asyncio.run(run_gateway(url, key, tier, qs, args.out / f"ours-{tier}.jsonl", args.concurrency))
-        costs = {t: gateway_costs(db_url, list(_load(args.out / f"ours-{t}.jsonl").values())) for t in args.tiers}
+            ledger_costs(db_url, args.out, tier)
     if not args.skip_anchor:
         for tier in ("small", "large"):
             run_anchor(tier, qs, args.out / f"anchor-{tier}.jsonl", args.home)
-    return report(qs, args, costs)
+    return report(qs, args)
 
 
-def report(qs: list[bfcl.Question], args: argparse.Namespace, costs: dict[str, Decimal]) -> int:
+def report(qs: list[bfcl.Question], args: argparse.Namespace) -> int:
     accuracy: dict[str, dict[str, dict[str, float | None]]] = {}
     bad = 0
     for tier in args.tiers:
@@ -227,12 +240,13 @@ def report(qs: list[bfcl.Question], args: argparse.Namespace, costs: dict[str, D
     if small and all(small[c]["anchor"] is not None for c in ("simple_python", "multiple")):
         gain = sum((small[c]["ours"] - small[c]["anchor"]) * 50 for c in ("simple_python", "multiple"))
     mean = {t: sum(v["ours"] for v in a.values()) / len(a) for t, a in accuracy.items()}
+    spent = {t: costs(args.out, t) for t in ("auto", "large")}
     summary = {
         "questions": len(qs), "per_category": args.per_category, "threads": THREADS, "accuracy": accuracy,
         "malformed_calls": bad, "min_margin_vs_anchor": round(min(margins), 1) if margins else None,
         "small_gain_simple_multiple": round(gain, 1) if gain is not None else None,
         "auto_accuracy_ratio": round(mean["auto"] / mean["large"], 3) if {"auto", "large"} <= set(mean) else None,
-        "auto_cost_ratio": round(float(costs["auto"] / costs["large"]), 3) if {"auto", "large"} <= set(costs) else None,
+        "auto_cost_ratio": round(float(spent["auto"] / spent["large"]), 3) if None not in spent.values() else None,
     }  # fmt: skip
     print(json.dumps(summary))
     return 0
