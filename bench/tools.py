@@ -229,7 +229,9 @@ def report(qs: list[bfcl.Question], args: argparse.Namespace) -> int:
     for tier in args.tiers:
         ours = _load(args.out / f"ours-{tier}.jsonl")
         anchor_file = args.out / f"anchor-{'large' if tier == 'auto' else tier}.jsonl"
-        mine, theirs = score(qs, ours), score(qs, _load(anchor_file)) if anchor_file.exists() else {}
+        anchor = _load(anchor_file)
+        mine = score(qs, ours)
+        theirs = score(qs, anchor) if all(q.id in anchor for q in qs) else {}  # a partial anchor is no anchor
         accuracy[tier] = {c: {"ours": mine.get(c), "anchor": theirs.get(c)} for c in bfcl.CATEGORIES}
         bad += sum(malformed(q, ours[q.id].get("calls") or []) for q in qs if q.id in ours)
         print(f"{tier:>6}: " + ", ".join(f"{c} {mine.get(c)} (anchor {theirs.get(c)})" for c in bfcl.CATEGORIES))
