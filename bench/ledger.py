@@ -245,8 +245,13 @@ def raw_report(db: Database, tenant_id: int, first: date, last: date) -> tuple[l
 
 
 class NoopTokenizer:
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        return [1] * max(1, sum(len(m["content"]) for m in messages) // 4)
+    """What the pipeline reads of a `Tokenizer` on the chat path: no template (so tools would take the Hermes
+    fallback) and ~4 characters a token."""
+
+    chat_template: str | None = None
+
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        return [1] * max(1, sum(len(str(m["content"])) for m in messages) // 4)
 
 
 class NoopStream:
