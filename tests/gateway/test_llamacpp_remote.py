@@ -335,12 +335,23 @@ def test_tools_on_the_remote_tier_are_its_servers_answer_read_for_calls(setup: S
         }
     ]
     messages = [{"role": "user", "content": "What is the weather in Paris? Use the tool."}]
+
+    def evict() -> None:
+        """llama-cpp-python keeps the last prompt's KV and re-evaluates only its last token when the same prompt
+        comes again: one row through other matmul kernels than the prefill's, which flipped a near-tie on an
+        AVX-512 Xeon. Another prompt first makes both answers full prefills."""
+        setup.direct.completions.create(model=ALIAS, prompt="Bonjour", temperature=0, max_tokens=1)
+
+    evict()
     got = client.chat.completions.create(model="remote", messages=messages, tools=tools, temperature=0,
                                          max_tokens=MAX_TOKENS, extra_headers=NO_STORE)  # fmt: skip
     body = ChatCompletionRequest.model_validate({"model": "remote", "messages": messages, "tools": tools})
     tokenizer = setup.engine.tokenizer
     turns, offered = chat_input(tokenizer, template_messages(body), tool_request(body))
-    prompt = tokenizer.render_chat(turns, offered)
+    ids = tokenizer.encode_chat(turns, offered)
+    prompt = tokenizer.backend.decode(ids, skip_special_tokens=False)  # what the gateway sends (prompt_format text)
+    assert prompt == tokenizer.render_chat(turns, offered)
+    evict()
     direct = setup.direct.completions.create(model=ALIAS, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS)
     content, calls = parse_answer(direct.choices[0].text, CallSpec(HERMES, frozenset({"get_weather"})))
     message = got.choices[0].message
