@@ -8,8 +8,9 @@ that imports every hosted-API client stubbed) on `simple_python`, `multiple`, `p
 `irrelevance` (a fixed random sample of `--per-category` questions each; all with `--per-category 0`). Ours: a
 live `switchboard serve` (the default profile: Qwen2.5-Coder 0.5B `small` and 1.5B `large`, int8, and a router
 for `auto`), each question through the OpenAI API with its tools (BFCL's OpenAI conversion), `tool_choice`
-auto, greedy. The anchor: the same checkpoint in transformers (its own model class, fp32), the same chat template
-with the same tools, greedy and unconstrained, its output read leniently (the template's `<tool_call>` tags or,
+auto, greedy. The anchor: the same checkpoint in transformers (its own model class; bf16 where the CPU has AMX or
+AVX-512 BF16, else fp32; `--anchor-batch` questions of similar length per left-padded `generate`), the same chat
+template with the same tools, greedy and unconstrained, its output read leniently (the template's `<tool_call>` tags or,
 failing those, fenced JSON blocks; any name counts as a call). Malformed calls: ours that are not JSON, name no
 offered function or break its schema. Costs are the ledger's, at the default prices; `auto` against always-large.
 
@@ -134,30 +135,45 @@ def lenient_calls(text: str) -> list[tuple[str, Any]]:
     return calls
 
 
-def run_anchor(tier: str, qs: list[bfcl.Question], out: Path, home: Path) -> None:
+def anchor_dtype(choice: str) -> str:
+    """bf16 (the checkpoints' own dtype) where the CPU multiplies it natively (AMX or AVX-512 BF16: oneDNN runs
+    prefill there several times faster than fp32), else fp32."""
+    if choice != "auto":
+        return choice
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return "bfloat16" if re.search(r"\b(amx_bf16|avx512_bf16)\b", flags) else "float32"
+
+
+def run_anchor(tier: str, qs: list[bfcl.Question], out: Path, home: Path, dtype: str, batch: int) -> None:
+    """Greedy, unconstrained, `batch` questions of similar length at a time (left-padded: on a CPU decode reads
+    the weights once per step for the whole batch)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     done = _load(out)
     todo = [q for q in qs if q.id not in done]
-    say(f"anchor {tier}: {len(done)} answered before, {len(todo)} to generate")
+    say(f"anchor {tier}: {len(done)} answered before, {len(todo)} to generate ({dtype}, batches of {batch})")
     if not todo:
         return
     model_dir = home / "models" / TIER_MODELS[tier]
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    started = time.monotonic()
-    for n, q in enumerate(todo, 1):
-        tools = bfcl.openai_tools(q.functions)
-        ids = tokenizer.apply_chat_template(q.messages, tools=tools, add_generation_prompt=True, return_tensors="pt",
-                                            return_dict=True)  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    texts = {q.id: tokenizer.apply_chat_template(q.messages, tools=bfcl.openai_tools(q.functions),
+                                                 add_generation_prompt=True, tokenize=False) for q in todo}  # fmt: skip
+    todo.sort(key=lambda q: len(texts[q.id]))
+    started, n = time.monotonic(), 0
+    for i in range(0, len(todo), batch):
+        group = todo[i : i + batch]
+        ids = tokenizer([texts[q.id] for q in group], return_tensors="pt", padding=True, add_special_tokens=False)
         with torch.no_grad():
-            generated = model.generate(**ids, max_new_tokens=MAX_TOKENS, do_sample=False)
-        text = tokenizer.decode(generated[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
-        _append(out, {"id": q.id, "text": text, "calls": [[n_, a] for n_, a in lenient_calls(text)]})
-        if n % 5 == 0 or n == len(todo):
-            rate = n / (time.monotonic() - started)
-            say(f"  anchor {tier}: {n}/{len(todo)} ({rate * 60:.1f}/min, {(len(todo) - n) / rate / 60:.0f} min left)")
+            generated = model.generate(**ids, max_new_tokens=MAX_TOKENS, do_sample=False,
+                                       pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+        for q, row in zip(group, generated[:, ids["input_ids"].shape[1] :], strict=True):
+            text = tokenizer.decode(row, skip_special_tokens=True)
+            _append(out, {"id": q.id, "text": text, "calls": [[n_, a] for n_, a in lenient_calls(text)]})
+        n += len(group)
+        rate = n / (time.monotonic() - started)
+        say(f"  anchor {tier}: {n}/{len(todo)} ({rate * 60:.1f}/min, {(len(todo) - n) / rate / 60:.0f} min left)")
 
 
 # --- scoring -------------------------------------------------------------------------------------------
@@ -205,6 +221,9 @@ def main() -> int:
     ap.add_argument("--tiers", nargs="+", default=["small", "large", "auto"], choices=["small", "large", "auto"])
     ap.add_argument("--skip-anchor", action="store_true")
     ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--anchor-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="auto: bf16 where the CPU has AMX or AVX-512 BF16, else fp32")  # fmt: skip
+    ap.add_argument("--anchor-batch", type=int, default=8, help="questions per transformers generate() call")
     ap.add_argument("--out", type=Path, default=Path("bench/results/tools"))
     ap.add_argument("--home", type=Path, default=Path("~/.cache/switchboard").expanduser())
     args = ap.parse_args()
@@ -219,7 +238,8 @@ def main() -> int:
             ledger_costs(db_url, args.out, tier)
     if not args.skip_anchor:
         for tier in ("small", "large"):
-            run_anchor(tier, qs, args.out / f"anchor-{tier}.jsonl", args.home)
+            dtype = anchor_dtype(args.anchor_dtype)
+            run_anchor(tier, qs, args.out / f"anchor-{tier}.jsonl", args.home, dtype, args.anchor_batch)
     return report(qs, args)
 
 
