@@ -3,11 +3,17 @@ tools: they reach it the Hermes way). A model this small writes whatever it writ
 it writes valid, which is what these tests hold it to: every call names an offered function and its arguments
 validate against that function's schema, in every `tool_choice`, streamed or not, and a stream reassembles into
 the non-streamed answer. Bad input is a 400 naming the field, and billed nothing; the cache never serves an
-answer made under other tools."""
+answer made under other tools.
+
+The engine here is fp32, not the shared bf16 one: a stream repeats a prompt, which hits the prefix cache and
+computes its last token alone, and on a CPU with AMX bf16 matmuls change a row's bits with the row count
+(tests/cpu_features.py), which flipped a near-tie between the two answers there."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -15,6 +21,7 @@ import jsonschema
 import openai
 import pytest
 
+from engines.async_engine import AsyncEngine
 from live import LiveServer
 
 SCHEMAS = {
@@ -31,6 +38,17 @@ TOOLS: list[Any] = [
 ASK = [{"role": "user", "content": "What is the weather in Paris and the time in Tokyo?"}]
 NO_STORE = {"x-switchboard-cache-control": "no-store"}
 CHOICES: list[Any] = ["auto", "required", {"type": "function", "function": {"name": "get_time"}}]
+
+
+@pytest.fixture(scope="module")
+def small_engine(smollm2_dir: Path) -> Iterator[AsyncEngine]:
+    """SmolLM2-135M-Instruct in fp32 for this module's `live` gateway (conftest's, over this engine)."""
+    from engines.engine import Engine
+
+    engine = AsyncEngine(Engine.from_dir(smollm2_dir, dtype="fp32"), name="small")
+    engine.start()
+    yield engine
+    engine.shutdown()
 
 
 def valid(calls: list[Any]) -> list[tuple[str, dict]]:
