@@ -149,13 +149,10 @@ def redis_namespace() -> Iterator[str]:
 @pytest.fixture(scope="session")
 def small_engine(smollm2_dir: Path) -> Iterator[AsyncEngine]:
     """SmolLM2-135M-Instruct in bf16 behind a running engine thread, shared by the API tests."""
-    from engines.async_engine import AsyncEngine
-    from engines.engine import Engine
+    from live import running_engine
 
-    engine = AsyncEngine(Engine.from_dir(smollm2_dir, dtype="bf16"), name="small")
-    engine.start()
-    yield engine
-    engine.shutdown()
+    with running_engine(smollm2_dir, "bf16") as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")

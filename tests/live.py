@@ -6,7 +6,8 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -28,6 +29,19 @@ from gateway.tenants import create_tenant
 # Counted from the row's `created_at` (set when the request is priced, just before the write), so rows
 # stored a while ago, as when a test checks a batch of requests in turn, cost no wait.
 SETTLE_SECONDS = 1.5
+
+
+@contextmanager
+def running_engine(model_dir: Path, dtype: str, name: str = "small") -> Iterator[AsyncEngine]:
+    """A checkpoint behind a started engine thread, shut down on exit."""
+    from engines.engine import Engine
+
+    engine = AsyncEngine(Engine.from_dir(model_dir, dtype=dtype), name=name)
+    engine.start()
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
 
 
 @dataclass

@@ -22,7 +22,7 @@ import openai
 import pytest
 
 from engines.async_engine import AsyncEngine
-from live import LiveServer
+from live import LiveServer, running_engine
 
 SCHEMAS = {
     "get_weather": {"type": "object", "properties": {"city": {"type": "string"},
@@ -43,12 +43,8 @@ CHOICES: list[Any] = ["auto", "required", {"type": "function", "function": {"nam
 @pytest.fixture(scope="module")
 def small_engine(smollm2_dir: Path) -> Iterator[AsyncEngine]:
     """SmolLM2-135M-Instruct in fp32 for this module's `live` gateway (conftest's, over this engine)."""
-    from engines.engine import Engine
-
-    engine = AsyncEngine(Engine.from_dir(smollm2_dir, dtype="fp32"), name="small")
-    engine.start()
-    yield engine
-    engine.shutdown()
+    with running_engine(smollm2_dir, "fp32") as engine:
+        yield engine
 
 
 def valid(calls: list[Any]) -> list[tuple[str, dict]]:
