@@ -240,7 +240,9 @@ def test_redis_restarting_under_load(
             assert_openai_error(o)
         assert {(o.tenant, o.status, o.code) for o in errors} == {("budgeted", 503, "budget_unavailable")}
         assert all(o.ended > out.down and o.started < out.up + 2 for o in errors)  # only while Redis was down
-        during = [o for o in outcomes if o.tenant == "free" and o.started > out.down and o.ended < out.up]
+        # Asked while Redis was down (admission is when the budget would be checked): on a busy 2-vCPU box an
+        # answer can take longer than the 4 s outage, so none need also end inside it.
+        during = [o for o in outcomes if o.tenant == "free" and out.down < o.started < out.up]
         assert during and all(o.status == 200 for o in during)  # served throughout, uncounted
         after = [o for o in outcomes if o.tenant == "budgeted" and o.started > out.up + 2]
         assert after and all(o.status == 200 for o in after)  # counted again once Redis is back
