@@ -140,8 +140,9 @@ def anchor_dtype(choice: str) -> str:
     prefill there several times faster than fp32), else fp32."""
     if choice != "auto":
         return choice
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    return "bfloat16" if re.search(r"\b(amx_bf16|avx512_bf16)\b", flags) else "float32"
+    from engines.kernels.cpu_kernels import cpu_flags
+
+    return "bfloat16" if {"amx_bf16", "avx512_bf16"} & cpu_flags() else "float32"
 
 
 def run_anchor(tier: str, qs: list[bfcl.Question], out: Path, home: Path, dtype: str, batch: int) -> None:
@@ -237,8 +238,8 @@ def main() -> int:
             asyncio.run(run_gateway(url, key, tier, qs, args.out / f"ours-{tier}.jsonl", args.concurrency))
             ledger_costs(db_url, args.out, tier)
     if not args.skip_anchor:
+        dtype = anchor_dtype(args.anchor_dtype)
         for tier in ("small", "large"):
-            dtype = anchor_dtype(args.anchor_dtype)
             run_anchor(tier, qs, args.out / f"anchor-{tier}.jsonl", args.home, dtype, args.anchor_batch)
     return report(qs, args)
 
