@@ -134,7 +134,7 @@ class ModelRunner:
         if self.head is None:
             return self.model.compute_logits(hidden)[:n].to(device)
         logits = torch.full((n, self.model.config.vocab_size), float("-inf"), device=device)
-        logits[:, self.vocab] = self.head(hidden)[:n].float().to(device)
+        logits[:, self.vocab] = self.model.cap_logits(self.head(hidden)[:n].float()).to(device)
         return logits
 
 

@@ -60,6 +60,9 @@ class TorchBackend:
     def silu_mul(self, gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
         return reference.silu_mul(gate_up, intermediate)
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
+        return reference.gelu_tanh_mul(gate_up, intermediate)
+
     def attention(self, cache: PagedKVCache, cfg: HeadShape) -> AttentionBackend:
         return TorchPagedAttention(cache)
 
@@ -133,6 +136,11 @@ class TritonBackend(TorchBackend):
         from engines.kernels import triton_moe
 
         return triton_moe.silu_mul(gate_up, intermediate)
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
+        from engines.kernels import triton_moe
+
+        return triton_moe.gelu_tanh_mul(gate_up, intermediate)
 
     def attention(self, cache: PagedKVCache, cfg: HeadShape) -> AttentionBackend:
         from engines.kernels.triton_attention import TritonPagedAttention

@@ -28,12 +28,22 @@ class NativePagedAttention:
         self.cache = cache
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        *,
+        window: int = 0,
+        scale: float | None = None,
     ) -> torch.Tensor:
-        """q (tokens, heads, dim), k/v (tokens, kv_heads, dim) → (tokens, heads, dim)."""
+        """q (tokens, heads, dim), k/v (tokens, kv_heads, dim) → (tokens, heads, dim); `window` and `scale`
+        as `AttentionBackend.forward`."""
         self.cache.store(layer, meta.slot_mapping, k, v)
         k_cache, v_cache = self.cache.layer(layer)
         rows = meta.rows
         return cpu_ops.paged_attention(
-            q, k_cache, v_cache, self.cache.layer_scales(layer), rows.tables, rows.row_table, rows.row_len
-        )
+            q, k_cache, v_cache, self.cache.layer_scales(layer), rows.tables, rows.row_table, rows.row_len,
+            window=window, scale=scale,
+        )  # fmt: skip

@@ -166,7 +166,7 @@ def build_of(variant: str) -> ctypes.CDLL | None:
     lib.sb_rms_norm.argtypes = [p, p, p, p, i, i, f, i]
     lib.sb_rope.argtypes = [p, i, p, i, long, p, p, i, i, i]
     lib.sb_silu_mul.argtypes = [p, p, i, i, i]
-    lib.sb_paged_attention.argtypes = [p, long, p, i, i, i, i, p, p, p, p, i, i, i, p, p, p, f, i]
+    lib.sb_paged_attention.argtypes = [p, long, p, i, i, i, i, p, p, p, p, i, i, i, p, p, p, f, i, i]
     for fn in (lib.sb_rms_norm, lib.sb_rope, lib.sb_silu_mul, lib.sb_paged_attention):
         fn.restype = None
     lib.sb_decoder.argtypes = [p, p, p, p]

@@ -76,8 +76,12 @@ def paged_attention(
     tables: torch.Tensor,
     row_table: torch.Tensor,
     row_len: torch.Tensor,
+    *,
+    window: int = 0,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """q (T, H, D) (rows may be strided) over one layer's paged cache → (T, H, D).
+    """q (T, H, D) (rows may be strided) over one layer's paged cache → (T, H, D). Row t attends to the last
+    `window` of its positions where window > 0; scores are scaled by `scale` (None: D^-0.5).
 
     k_cache, v_cache: (KVH, blocks, block_size, D), int8 with `scales` (each (KVH, blocks, block_size))
     or in q's dtype; `tables` int32, all sequences' block ids; row t reads them from `row_table[t]` and
@@ -94,6 +98,7 @@ def paged_attention(
     lib.sb_paged_attention(
         q.data_ptr(), q.stride(0), out.data_ptr(), t, h, kvh, d, k_cache.data_ptr(), v_cache.data_ptr(),
         None if ks is None else ks.data_ptr(), None if vs is None else vs.data_ptr(), int(scales is not None),
-        blocks, bs, tables.data_ptr(), row_table.data_ptr(), row_len.data_ptr(), d**-0.5, _bf16(q),
+        blocks, bs, tables.data_ptr(), row_table.data_ptr(), row_len.data_ptr(), d**-0.5 if scale is None else scale,
+        _bf16(q), window,
     )  # fmt: skip
     return out

@@ -129,9 +129,18 @@ class AttentionMetadata:
 
 class AttentionBackend(Protocol):
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        *,
+        window: int = 0,
+        scale: float | None = None,
     ) -> torch.Tensor:
-        """Store k/v for this layer and return attention over each sequence's whole context."""
+        """Store k/v for this layer and return attention over each sequence's whole context, or over the
+        last `window` positions up to each query's own (0: all); scores scaled by `scale` (None: D^-0.5)."""
         ...
 
 

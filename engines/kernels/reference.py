@@ -60,6 +60,12 @@ def silu_mul(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_mul(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
+    """GELU (tanh approximation, HF's `gelu_pytorch_tanh`) of the gate times up: Gemma's GeGLU."""
+    gate, up = gate_up.split(intermediate, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 class MoELayer(Protocol):
     """What the MoE kernels need of a sparse MoE layer (`engines.models.moe.SparseMoE`)."""
 
@@ -96,21 +102,30 @@ class TorchPagedAttention:
         self.cache = cache
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        *,
+        window: int = 0,
+        scale: float | None = None,
     ) -> torch.Tensor:
-        """q (tokens, heads, dim), k/v (tokens, kv_heads, dim) → (tokens, heads, dim)."""
+        """q (tokens, heads, dim), k/v (tokens, kv_heads, dim) → (tokens, heads, dim). `window` > 0: each
+        query sees its own position and the `window - 1` before it; `scale`: the scores' (None: dim^-0.5)."""
         self.cache.store(layer, meta.slot_mapping, k, v)
         k_cache, v_cache = self.cache.layer(layer)
         scales = self.cache.layer_scales(layer)
         if len(meta.decode_groups) == 1 and not meta.extends:
-            return self.forward_decode(q, k_cache, v_cache, meta.decode_groups[0], scales)
+            return self.forward_decode(q, k_cache, v_cache, meta.decode_groups[0], scales, window, scale)
         out = torch.empty_like(q)
         for group in meta.decode_groups:
             rows = slice(group.start, group.end)
-            out[rows] = self.forward_decode(q[rows], k_cache, v_cache, group, scales)
+            out[rows] = self.forward_decode(q[rows], k_cache, v_cache, group, scales, window, scale)
         for span in meta.extends:
             rows = slice(span.start, span.start + span.num_new)
-            out[rows] = self.forward_extend(q[rows], k_cache, v_cache, span, scales)
+            out[rows] = self.forward_extend(q[rows], k_cache, v_cache, span, scales, window, scale)
         return out
 
     def forward_decode(
@@ -120,10 +135,15 @@ class TorchPagedAttention:
         v_cache: torch.Tensor,
         group: DecodeGroup,
         scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+        window: int = 0,
+        scale: float | None = None,
     ) -> torch.Tensor:
         """One query per sequence, batched: (b, heads, dim) → (b, heads, dim). With an int8 cache,
         `scales` are its key and value scales, each (kv_heads, blocks, block_size)."""
         tables, mask = group.block_tables, group.mask
+        if window:  # the mask allows positions <= each row's own; drop those `window` or more behind it
+            last = mask.sum(-1, keepdim=True) - 1
+            mask = mask & (torch.arange(mask.shape[-1], device=mask.device) > last - window)
         b, blocks = tables.shape
         kv_heads, _, bs, dim = k_cache.shape
         flat = tables.view(-1)
@@ -138,7 +158,7 @@ class TorchPagedAttention:
             )
         group = q.shape[1] // kv_heads
         folded = q.view(b, kv_heads, group, dim).transpose(0, 1)
-        out = _attend(folded, keys, values, mask.view(1, b, 1, -1), scales)
+        out = _attend(folded, keys, values, mask.view(1, b, 1, -1), scales, scale)
         return out.transpose(0, 1).reshape(b, kv_heads * group, dim)
 
     def forward_extend(
@@ -148,6 +168,8 @@ class TorchPagedAttention:
         v_cache: torch.Tensor,
         span: ExtendSpan,
         scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+        window: int = 0,
+        scale: float | None = None,
     ) -> torch.Tensor:
         """One sequence's chunk against its whole context: (n, heads, dim) → (n, heads, dim)."""
         n, heads, dim = q.shape
@@ -170,8 +192,10 @@ class TorchPagedAttention:
             rows = folded[:, lo:hi].reshape(kv_heads, (hi - lo) * group, dim)
             ahead = torch.arange(first, last, device=q.device).repeat_interleave(group).unsqueeze(1)
             allowed = torch.arange(width, device=q.device) <= ahead
+            if window:
+                allowed &= torch.arange(width, device=q.device) > ahead - window
             cut = None if scales is None else (scales[0][:, :width], scales[1][:, :width])
-            block = _attend(rows, keys[:, :width], values[:, :width], allowed, cut)
+            block = _attend(rows, keys[:, :width], values[:, :width], allowed, cut, scale)
             out[:, lo:hi] = block.view(kv_heads, hi - lo, group, dim)
         return out.permute(1, 0, 2, 3).reshape(n, heads, dim)
 
@@ -182,17 +206,21 @@ def _attend(
     v: torch.Tensor,
     allowed: torch.Tensor,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """softmax(q kᵀ / √d, masked) v over (..., rows, dim) × (..., keys, dim); fp32 softmax.
+    """softmax(q kᵀ · scale, masked) v over (..., rows, dim) × (..., keys, dim); fp32 softmax; scale
+    defaults to 1/√d.
 
     With `scales` = (k_scales, v_scales), each (..., keys), k and v are int8 standing for k * k_scales
     and v * v_scales: the key scales multiply the score columns, the value scales the probabilities."""
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
     if scales is None:
         scores = torch.matmul(q, k.transpose(-1, -2)).float()
-        scores.mul_(q.shape[-1] ** -0.5).masked_fill_(~allowed, float("-inf"))
+        scores.mul_(scale).masked_fill_(~allowed, float("-inf"))
         return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
     k_scales, v_scales = scales
     scores = torch.matmul(q, k.to(q.dtype).transpose(-1, -2)).float()
-    scores.mul_(k_scales.unsqueeze(-2).float()).mul_(q.shape[-1] ** -0.5).masked_fill_(~allowed, float("-inf"))
+    scores.mul_(k_scales.unsqueeze(-2).float()).mul_(scale).masked_fill_(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1).mul_(v_scales.unsqueeze(-2).float())
     return torch.matmul(probs.to(q.dtype), v.to(q.dtype))

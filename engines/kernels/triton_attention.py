@@ -60,8 +60,9 @@ def _attend_block(
     HEAD_DIM: tl.constexpr,
     QUANT: tl.constexpr,
 ) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
-    """Fold one block of keys into (acc, row_max, row_sum). Every row must allow some key in its first
-    block, so `row_max` is finite from then on (a row with no allowed key in a later block gets exp(-inf) = 0 there)."""
+    """Fold one block of keys into (acc, row_max, row_sum). A row that has allowed no key yet (a sliding
+    window's later rows in a tile's first blocks) keeps acc = row_sum = 0: its max is taken as 0 for the
+    exponentials, so they are exp(-inf) = 0, never exp(-inf - -inf) = nan."""
     offs = slot[:, None] * stride_cs + tl.arange(0, HEAD_DIM)[None, :]
     k = tl.load(k_ptr + offs, mask=key_ok[:, None], other=0)
     v = tl.load(v_ptr + offs, mask=key_ok[:, None], other=0)
@@ -71,8 +72,9 @@ def _attend_block(
         s = s * tl.load(ks_ptr + slot, mask=key_ok, other=0).to(tl.float32)[None, :]
     s = tl.where(allowed, s * sm_scale, float("-inf"))
     new_max = tl.maximum(row_max, tl.max(s, axis=1))
-    alpha = tl.exp(row_max - new_max)  # rescales what was summed under the old max
-    p = tl.exp(s - new_max[:, None])
+    safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+    alpha = tl.exp(row_max - safe_max)  # rescales what was summed under the old max
+    p = tl.exp(s - safe_max[:, None])
     row_sum = row_sum * alpha + tl.sum(p, axis=1)
     if QUANT:
         p = p * tl.load(vs_ptr + slot, mask=key_ok, other=0).to(tl.float32)[None, :]
@@ -96,6 +98,7 @@ def _decode_split_kernel(
     part_out: tl.tensor,  # (rows, heads, NUM_SPLITS, HEAD_DIM) fp32: each split's normalized output
     part_lse: tl.tensor,  # (rows, heads, NUM_SPLITS) fp32: each split's log-sum-exp (-inf if empty)
     sm_scale: float,
+    window: int,  # > 0: the row sees its last `window` positions only
     num_heads: int,
     stride_qr: int,
     stride_qh: int,
@@ -116,8 +119,9 @@ def _decode_split_kernel(
     # Each row's split length comes from its own length, on the device: no host sync, graph-replayable.
     length = tl.load(row_len + row)
     table = tables + tl.load(row_table + row)
-    per_split = tl.cdiv(length, NUM_SPLITS)
-    start = split * per_split
+    lo = tl.where(window > 0, tl.maximum(length - window, 0), 0)
+    per_split = tl.cdiv(length - lo, NUM_SPLITS)
+    start = lo + split * per_split
     end = tl.minimum(start + per_split, length)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -192,8 +196,11 @@ def paged_decode(
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     out: torch.Tensor | None = None,
     num_splits: int = DECODE_SPLITS,
+    window: int = 0,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """One query token per row: q (rows, heads, dim) over its row's context → (rows, heads, dim).
+    """One query token per row: q (rows, heads, dim) over its row's context (its last `window` positions
+    where window > 0) → (rows, heads, dim); scores scaled by `scale` (None: dim^-0.5).
 
     k/v_cache (kv_heads, blocks, block_size, dim) as `PagedKVCache.layer` returns them; `tables`,
     `row_table`, `row_len` as in `RowTables` (int32, row_len >= 1); `scales` for an int8 pool, each
@@ -221,7 +228,8 @@ def paged_decode(
         row_len,
         part_out,
         part_lse,
-        dim**-0.5,
+        dim**-0.5 if scale is None else scale,
+        window,
         heads,
         q.stride(0),
         q.stride(1),
@@ -257,6 +265,7 @@ def _attend_causal(
     vs_ptr: tl.tensor,
     stride_cs: int,
     sm_scale: float,
+    window: int,
     ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -264,16 +273,19 @@ def _attend_causal(
     QUANT: tl.constexpr,
 ) -> tuple[tl.tensor, tl.tensor]:
     """(acc, row_sum) of causal attention over the paged keys [0, end), BLOCK_N keys per `_attend_block`
-    step: the output is acc / row_sum."""
+    step: the output is acc / row_sum. `window` > 0: a row sees the keys in (its position - window, its
+    position], and the loop starts at the first row's window."""
     acc = tl.zeros((ROWS, HEAD_DIM), dtype=tl.float32)
     row_max = tl.full((ROWS,), float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros((ROWS,), dtype=tl.float32)
-    for first in range(0, end, BLOCK_N):
+    lo = tl.where(window > 0, tl.maximum(tl.min(q_pos, axis=0) - window + 1, 0), 0)
+    for first in range(lo, end, BLOCK_N):
         pos = first + tl.arange(0, BLOCK_N)
         key_ok = pos < end
         block = tl.load(table + pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
         slot = block * BLOCK_SIZE + pos % BLOCK_SIZE
         causal = (pos[None, :] <= q_pos[:, None]) & key_ok[None, :]
+        causal = causal & ((window <= 0) | (pos[None, :] > q_pos[:, None] - window))
         acc, row_max, row_sum = _attend_block(
             q,
             acc,
@@ -308,6 +320,7 @@ def _extend_kernel(
     span_new: tl.tensor,  # (spans,) int32: its query tokens
     span_computed: tl.tensor,  # (spans,) int32: positions cached before it (its first position)
     sm_scale: float,
+    window: int,
     stride_qr: int,
     stride_qh: int,
     stride_or: int,
@@ -359,6 +372,7 @@ def _extend_kernel(
         v_scales + kv_head * stride_sh,
         stride_cs,
         sm_scale,
+        window,
         BLOCK_M * BLOCK_G,
         BLOCK_SIZE,
         BLOCK_N,
@@ -382,12 +396,14 @@ def extend_attention(
     max_new: int,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     out: torch.Tensor | None = None,
+    window: int = 0,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Multi-token spans: rows [span_start[i], span_start[i] + span_new[i]) of q (tokens, heads, dim) are
     positions span_computed[i]... of one sequence, attending causally over its cached context (their own
-    keys already stored). `tables`/`row_table` as in `RowTables` (a span reads its first row's table);
-    span_* int32 on q's device; `max_new` bounds span_new (sizes the grid without a sync). Rows outside
-    the spans are left as they are in `out`."""
+    keys already stored; `window`, `scale` as `paged_decode`). `tables`/`row_table` as in `RowTables` (a
+    span reads its first row's table); span_* int32 on q's device; `max_new` bounds span_new (sizes the
+    grid without a sync). Rows outside the spans are left as they are in `out`."""
     heads, dim = q.shape[1:]
     kv_heads, _, block_size, _ = k_cache.shape
     out = torch.empty_like(q) if out is None else out
@@ -410,7 +426,8 @@ def extend_attention(
         span_start,
         span_new,
         span_computed,
-        dim**-0.5,
+        dim**-0.5 if scale is None else scale,
+        window,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -446,9 +463,18 @@ class TritonPagedAttention:
         self.num_splits = num_splits
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        *,
+        window: int = 0,
+        scale: float | None = None,
     ) -> torch.Tensor:
-        """q (tokens, heads, dim), k/v (tokens, kv_heads, dim) → (tokens, heads, dim) in q's dtype."""
+        """q (tokens, heads, dim), k/v (tokens, kv_heads, dim) → (tokens, heads, dim) in q's dtype; `window`
+        and `scale` as `AttentionBackend.forward`."""
         device = q.device
         store_kv(self.cache, layer, meta.slot_mapping.to(device), k, v)
         k_cache, v_cache = self.cache.layer(layer)
@@ -459,10 +485,13 @@ class TritonPagedAttention:
         if decode:
             row_len = meta.rows.row_len[:decode].to(device)
             paged_decode(
-                q[:decode], k_cache, v_cache, tables, row_table[:decode], row_len, scales, out[:decode], self.num_splits
-            )
+                q[:decode], k_cache, v_cache, tables, row_table[:decode], row_len, scales, out[:decode],
+                self.num_splits, window, scale,
+            )  # fmt: skip
         if meta.extends:
             start, new, computed = meta.extend_spans.to(device)
             max_new = max(s.num_new for s in meta.extends)
-            extend_attention(q, k_cache, v_cache, tables, row_table, start, new, computed, max_new, scales, out)
+            extend_attention(
+                q, k_cache, v_cache, tables, row_table, start, new, computed, max_new, scales, out, window, scale
+            )
         return out

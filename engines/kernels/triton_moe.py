@@ -143,14 +143,20 @@ def _silu_mul_kernel(
     stride_gm: tl.tensor,
     stride_om: tl.tensor,
     BLOCK: tl.constexpr,
+    GELU: tl.constexpr = False,
 ) -> None:
-    """out[row] = silu(gate) · up for gate_up[row] = [gate (inter) | up (inter)]; fp32 math, in out's dtype."""
+    """out[row] = act(gate) · up for gate_up[row] = [gate (inter) | up (inter)]; fp32 math, in out's dtype.
+    act: SiLU, or GELU's tanh approximation (`GELU`: Gemma's GeGLU), tanh(y) written as 2·sigmoid(2y) - 1."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < inter
     gate = tl.load(gate_up_ptr + row * stride_gm + offs, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(gate_up_ptr + row * stride_gm + inter + offs, mask=ok, other=0.0).to(tl.float32)
-    act = gate * tl.sigmoid(gate) * up
+    if GELU:
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # √(2/π) (x + 0.044715 x³)
+        act = 0.5 * gate * (2.0 * tl.sigmoid(2.0 * inner)) * up  # 0.5 x (1 + tanh(inner))
+    else:
+        act = gate * tl.sigmoid(gate) * up
     tl.store(out_ptr + row * stride_om + offs, act.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -200,7 +206,12 @@ def _grouped_gemm(
     )
 
 
-def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+def gelu_tanh_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+    """`silu_mul` with GELU-tanh in place of SiLU: Gemma's GeGLU on the GPU."""
+    return silu_mul(gate_up, inter, gelu=True)
+
+
+def silu_mul(gate_up: torch.Tensor, inter: int, *, gelu: bool = False) -> torch.Tensor:
     """silu(gate) · up for rows [gate | up] of width 2·inter (the fused gate/up projection's output), in
     one pass: (..., inter) in gate_up's dtype. Also the dense SwiGLU's activation on the GPU."""
     rows = gate_up.reshape(-1, 2 * inter)
@@ -210,7 +221,7 @@ def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
     if rows.shape[0]:
         block = _tile(inter, 1024)
         _silu_mul_kernel[(rows.shape[0], triton.cdiv(inter, block))](
-            rows, act, inter, rows.stride(0), act.stride(0), block
+            rows, act, inter, rows.stride(0), act.stride(0), block, GELU=gelu
         )
     return act.view(*gate_up.shape[:-1], inter)
 

@@ -1,4 +1,5 @@
-"""Decoder building blocks shared by the Llama and Qwen2 families.
+"""Decoder building blocks shared by every family: RMSNorm (and Gemma's `1 + weight` form), RoPE under any
+supported scaling (`engines.layers.rope_scaling`), and the gated MLP (SiLU: SwiGLU; GELU-tanh: GeGLU).
 
 Tensors are flat over tokens: (num_tokens, ...) with no batch dimension, so a later batch of many
 sequences is just more rows. Numerics follow HF transformers (norms in fp32, RoPE tables in fp32).
@@ -13,6 +14,7 @@ from torch import nn
 
 from engines.kernels.backends import backend_for
 from engines.layers.linear import Linear
+from engines.layers.rope_scaling import RopeScaling
 
 
 class RMSNorm(nn.Module):
@@ -30,26 +32,46 @@ class RMSNorm(nn.Module):
         return backend_for(x).add_rms_norm(x, self.weight, self.eps, residual)
 
 
+class OffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the checkpoint stores w and the norm scales by (1 + w), in fp32 before the cast
+    back (HF's `Gemma3RMSNorm`). The torch form on every backend: Gemma is not on a fused path."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__(size, eps)
+        torch.nn.init.zeros_(self.weight)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        r = x if residual is None else residual + x
+        h = r.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(r.dtype), r
+
+
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding (HF `rotate_half`).
 
-    cos/sin tables are computed in fp32 like HF, stored in the model dtype (HF casts them to the
-    activations' dtype on every call), and looked up once per forward pass for all layers.
+    cos/sin tables are computed in fp32 like HF (scaled by the rope type's attention factor), stored in
+    the model dtype (HF casts them to the activations' dtype on every call), and looked up once per
+    forward pass for all layers.
     """
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:
+    def __init__(self, head_dim: int, scaling: RopeScaling | float, max_positions: int) -> None:
         super().__init__()
         self.head_dim = head_dim
-        self.theta = theta
+        self.scaling = scaling if isinstance(scaling, RopeScaling) else RopeScaling(theta=float(scaling))
+        self.theta = self.scaling.theta
         self.max_positions = max_positions
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
 
     def build(self, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim))
+        inv_freq, factor = self.scaling.frequencies(self.head_dim)
         freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), inv_freq)  # (P, head_dim/2)
-        self.cos = freqs.cos().to(device=device, dtype=dtype)
-        self.sin = freqs.sin().to(device=device, dtype=dtype)
+        cos, sin = freqs.cos(), freqs.sin()
+        if factor != 1.0:
+            cos, sin = cos * factor, sin * factor
+        self.cos = cos.to(device=device, dtype=dtype)
+        self.sin = sin.to(device=device, dtype=dtype)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) for these positions, shaped (tokens, 1, head_dim/2) to broadcast over heads."""
@@ -65,15 +87,24 @@ def rotate(
     return backend_for(q).rotate(q, k, cos, sin, head_dim)
 
 
-class SwiGLU(nn.Module):
-    """gate and up projections fused into one matmul: one weight read per step instead of two."""
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
-    def __init__(self, hidden: int, intermediate: int) -> None:
+
+class SwiGLU(nn.Module):
+    """The gated MLP, down(act(gate) · up), with gate and up fused into one matmul: one weight read per step
+    instead of two. act is SiLU (SwiGLU: Llama, Qwen, Mistral) or GELU-tanh (GeGLU: Gemma 3)."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str = "silu") -> None:
         super().__init__()
+        if act not in ACTIVATIONS:
+            raise ValueError(f"activation {act!r} is not one of {ACTIVATIONS}")
         self.intermediate = intermediate
+        self.act = act
         self.gate_up_proj = Linear(hidden, 2 * intermediate)
         self.down_proj = Linear(intermediate, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        return self.down_proj(backend_for(gate_up).silu_mul(gate_up, self.intermediate))
+        if self.act == "silu":
+            return self.down_proj(backend_for(gate_up).silu_mul(gate_up, self.intermediate))
+        return self.down_proj(backend_for(gate_up).gelu_tanh_mul(gate_up, self.intermediate))

@@ -17,7 +17,7 @@ from engines.sampling import SamplingParams
 from tiny import tiny_hf_model
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2_moe"])
+@pytest.fixture(scope="module", params=["llama", "qwen2_moe", "gemma3"])
 def tiny_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_hf_model(request.param, tmp_path_factory.mktemp(request.param))
 

@@ -96,9 +96,11 @@ def test_unsupported_configs_are_refused() -> None:
     with pytest.raises(UnsupportedModelError, match="not supported"):
         ModelConfig.from_dict({**base, "architectures": ["GPT2LMHeadModel"]})
     with pytest.raises(UnsupportedModelError, match="rope scaling"):
-        ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
-    with pytest.raises(UnsupportedModelError, match="sliding-window"):
-        ModelConfig.from_dict({**base, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True})
+        ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "longrope", "factor": 4.0}})
+    qwen = {**base, "architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 3, "sliding_window": 8}
+    assert ModelConfig.from_dict(qwen).windows == ()  # Qwen configs carry a window they do not use
+    windowed = ModelConfig.from_dict({**qwen, "use_sliding_window": True, "max_window_layers": 1})
+    assert windowed.windows == (0, 8, 8)
 
 
 def _compare_with_transformers(model_dir: Path, prompt: str) -> float:

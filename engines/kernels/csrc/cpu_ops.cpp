@@ -155,7 +155,7 @@ void sb_silu_mul(const void* gate_up, void* out, int M, int I, int bf16) {
 void sb_paged_attention(const void* q, long q_stride, void* out, int T, int H, int KVH, int D, const void* kc,
                         const void* vc, const void* ks, const void* vs, int kv_int8, int num_blocks, int bs,
                         const int32_t* tables, const int32_t* row_table, const int32_t* row_len, float scale,
-                        int bf16) {
+                        int bf16, int window) {
     const int G = H / KVH;
     const int chunks = D / 8;
 #pragma omp parallel
@@ -164,7 +164,9 @@ void sb_paged_attention(const void* q, long q_stride, void* out, int T, int H, i
 #pragma omp for schedule(dynamic, 1)
         for (long task = 0; task < static_cast<long>(T) * KVH; ++task) {
             const int t = static_cast<int>(task / KVH), h = static_cast<int>(task % KVH);
-            const int L = row_len[t];
+            // A sliding-window layer: the row sees its last `window` positions, [lo, row_len).
+            const int lo = window > 0 && row_len[t] > window ? row_len[t] - window : 0;
+            const int L = row_len[t] - lo;
             const int32_t* table = tables + row_table[t];
             qf.resize(static_cast<size_t>(G) * D);
             scores.resize(static_cast<size_t>(G) * L);
@@ -176,7 +178,10 @@ void sb_paged_attention(const void* q, long q_stride, void* out, int T, int H, i
                                                                       static_cast<size_t>(h * G + g) * D + 8 * c),
                                                    _mm256_set1_ps(scale)));
             const size_t head_base = static_cast<size_t>(h) * num_blocks * bs;
-            auto key_row = [&](int j) { return head_base + static_cast<size_t>(table[j / bs]) * bs + j % bs; };
+            auto key_row = [&](int j) {
+                const int p = lo + j;
+                return head_base + static_cast<size_t>(table[p / bs]) * bs + p % bs;
+            };
             auto load_kv = [&](const void* cache, size_t row, int c) {
                 if (kv_int8) {
                     const int8_t* p = static_cast<const int8_t*>(cache) + row * D + 8 * c;

@@ -22,7 +22,7 @@ void sb_silu_mul(const void* gate_up, void* out, int M, int I, int bf16);
 void sb_paged_attention(const void* q, long q_stride, void* out, int T, int H, int KVH, int D, const void* kc,
                         const void* vc, const void* ks, const void* vs, int kv_int8, int num_blocks, int bs,
                         const int32_t* tables, const int32_t* row_table, const int32_t* row_len, float scale,
-                        int bf16);
+                        int bf16, int window);
 }
 
 namespace {
@@ -116,7 +116,7 @@ int sb_decoder(const Model* cfg, const Layer* layers, const Step* step, void* hi
         sb_rope(qkv, c.heads, qkv + q_size, c.kv_heads, stride, s.cos, s.sin, M, c.head_dim, 1);
         store_kv(c, L, s, qkv, stride);
         sb_paged_attention(qkv, stride, s.attn, M, c.heads, c.kv_heads, c.head_dim, L.k_cache, L.v_cache, nullptr,
-                           nullptr, 0, c.num_blocks, c.block_size, s.tables, s.row_table, s.row_len, c.scale, 1);
+                           nullptr, 0, c.num_blocks, c.block_size, s.tables, s.row_table, s.row_len, c.scale, 1, 0);
         void* o = outs[i % 2];  // free: the other buffer holds this layer's input
         linear(L.o, s.attn, M, o);
         sb_rms_norm(o, residual, L.ln2, s.normed, M, c.hidden, c.eps, 1);
