@@ -11,6 +11,10 @@ tokens; median of 3 runs. The table, then one JSON line per tier and weight form
 
 `--shape-dir` measures models given as directories holding only a `config.json` and the tokenizer (a GPU
 machine that cannot fetch the registry's weights): each gets random bf16 weights of its shape on the GPU.
+`--random-shape` builds one of `bench.random_model.SHAPES` in place on the GPU (Qwen3-30B-A3B, 61 GB in bf16,
+and the dense model of its active parameters), Triton + graphs only, and adds each batch's share of the
+memory-bandwidth limit: weight bytes a step reads (attention, head, the experts its tokens choose, expected
+under uniform routing) × steps/s over the card's peak bandwidth (`PEAK_BANDWIDTH`).
 Speed does not depend on the weights' values (every run ignores EOS and generates its full length), so
 these are the real architectures' speeds. On a machine without CUDA it says so and exits 0: the kernels
 are proven on the CPU by the interpreter tests instead (tests/engines/kernels/test_triton_*).
@@ -28,6 +32,7 @@ from pathlib import Path
 from bench.common import say
 
 CONFIGS = ("torch", "triton", "triton+graphs")
+PEAK_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12}  # bytes/s, the vendor's HBM figures (SXM)
 
 
 def main() -> int:
@@ -38,6 +43,8 @@ def main() -> int:
     ap.add_argument("--weights", nargs="+", choices=["bf16", "int8", "int4"], help="default: each tier's own")
     ap.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
     ap.add_argument("--runs", type=int, default=3, help="the median of this many runs per number")
+    ap.add_argument("--random-shape", nargs="+", default=[], help="bench.random_model.SHAPES, built on the GPU")
+    ap.add_argument("--layers", type=int, help="--random-shape: this many layers (default: the model's)")
     args = ap.parse_args()
     import torch
 
@@ -45,6 +52,11 @@ def main() -> int:
         print("bench/gpu.py: no CUDA device on this machine; nothing to measure (see tests/test_triton_*)")
         return 0
     say(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    if args.random_shape:
+        for name in args.random_shape:
+            print(json.dumps(random_shape(name, args)), flush=True)
+        if not args.shape_dir:
+            return 0
     rows = []
     for name, model_dir, dtype, weights in models(args):
         for fmt in args.weights or [weights]:
@@ -79,6 +91,35 @@ def models(args: argparse.Namespace) -> list[tuple[str, Path, str, str]]:
 
     settings = Settings()
     return [(n, settings.model_dir(t), t.dtype, t.weights) for n, t in settings.tiers.items() if not t.is_remote]
+
+
+def random_shape(name: str, args: argparse.Namespace) -> dict[str, object]:
+    """Decode tok/s per batch of a `bench.random_model` shape built on the GPU (Triton + graphs), and each
+    batch's fraction of the bandwidth limit."""
+    import torch
+
+    from bench.random_model import random_engine, shape_config, step_bytes
+
+    started = time.perf_counter()
+    cfg_dict = shape_config(name, args.layers)
+    engine = random_engine(cfg_dict, "cuda", kv_cache_bytes=8 << 30, max_num_seqs=128, cuda_graphs=True)
+    cfg = engine.model.config  # type: ignore[attr-defined]
+    device = torch.cuda.get_device_name()
+    peak = next((bw for key, bw in PEAK_BANDWIDTH.items() if key in device), float("nan"))
+    result: dict[str, object] = {
+        "shape": name, "layers": cfg.num_hidden_layers, "device": device,
+        "weights_gb": round(sum(p.numel() * p.element_size() for p in engine.model.parameters()) / 1e9, 1),  # type: ignore[attr-defined]
+        "build_s": round(time.perf_counter() - started, 1),
+    }  # fmt: skip
+    say(f"{name}: built {result}")
+    for batch in args.batches:
+        tok_s = median(lambda e=engine, b=batch: decode(e, b, args), args.runs)
+        result[f"decode_b{batch}"] = round(tok_s, 1)
+        result[f"bandwidth_fraction_b{batch}"] = round(tok_s / batch * step_bytes(cfg, batch) / peak, 3)
+        say(f"{name} batch {batch}: {tok_s:.1f} tok/s")
+    del engine
+    torch.cuda.empty_cache()
+    return result
 
 
 def random_weights(shape_dir: Path) -> Path:

@@ -23,7 +23,7 @@ def test_decode_steps_take_the_smallest_bucket_that_holds_them() -> None:
     assert bucket_for(BUCKETS[-1] + 1) is None  # above the largest: the eager forward
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2_moe"])
+@pytest.fixture(scope="module", params=["llama", "qwen2_moe", "mistral", "qwen3_moe", "gemma3"])
 def tiny_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_hf_model(request.param, tmp_path_factory.mktemp(request.param))
 
@@ -100,7 +100,7 @@ def test_each_triton_op_meets_the_torch_reference_on_the_gpu(dtype: torch.dtype)
 
 
 @cuda
-@pytest.mark.parametrize("arch", ["llama", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2_moe", "mistral", "qwen3_moe", "gemma3"])
 def test_bf16_hidden_states_on_the_triton_kernels_meet_the_torch_backend(arch: str, tmp_path: Path) -> None:
     """A prefill in bf16 on CUDA through every Triton kernel (attention over a chunked prompt, RoPE, norms,
     the fused MoE) ends in the torch backend's hidden state, within bf16's rounding."""

@@ -91,6 +91,10 @@ def tiny_hf_model(arch: str, path: Path, **overrides: object) -> Path:
     )
     cfg.update(FAMILY_DEFAULTS.get(arch, {}))
     cfg.update(overrides)
+    if "layer_types" in cfg and len(cfg["layer_types"]) != cfg["num_hidden_layers"]:  # every third layer global
+        cfg["layer_types"] = [
+            "full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(cfg["num_hidden_layers"])
+        ]
     torch.manual_seed(0)
     model = model_cls(config_cls(**cfg)).eval()
     model.save_pretrained(path)

@@ -68,7 +68,7 @@ def activation_absmax(model: torch.nn.Module, ids: list[int]) -> dict[str, torch
             )
             cache.buffer.zero_()
         if model.rope.cos.numel() == 0 or upcast:
-            model.rope.build(model.dtype)
+            model.build_rope(model.dtype)
         hidden = model(torch.tensor(ids), torch.arange(len(ids)), TorchPagedAttention(cache), meta)
         model.lm_head(hidden)
     finally:
@@ -76,7 +76,7 @@ def activation_absmax(model: torch.nn.Module, ids: list[int]) -> dict[str, torch
             h.remove()
         if upcast:
             model.to(dtype)
-            model.rope.build(dtype)
+            model.build_rope(dtype)
     return found
 
 

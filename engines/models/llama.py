@@ -174,11 +174,15 @@ class LlamaForCausalLM(nn.Module):
                     counts[module.format] = counts.get(module.format, 0) + module.in_features * module.out_features
         return max(counts, key=counts.__getitem__) if counts else "bf16"
 
+    def build_rope(self, dtype: torch.dtype) -> None:
+        """The RoPE tables (the sliding layers' own too, where they have one) in `dtype`."""
+        for rope in (self.rope, self.local_rope):
+            if rope is not None:
+                rope.build(dtype, self.device)
+
     def prepare(self) -> None:
         """Once the weights are in: build the RoPE tables and let every linear layer pick its kernel."""
-        self.rope.build(self.dtype, self.device)
-        if self.local_rope is not None:
-            self.local_rope.build(self.dtype, self.device)
+        self.build_rope(self.dtype)
         for module in self.modules():
             if isinstance(module, Linear):
                 module.prepare(shared=module is self.lm_head and self.config.tie_word_embeddings)
