@@ -41,6 +41,9 @@ class BlockTable:
     salt: str
     block_ids: list[int] = field(default_factory=list)
     hashes: list[BlockHash] = field(default_factory=list)  # one per full block, chained
+    # Leading blocks given back while the sequence runs (a sliding window passed them): their ids stay in
+    # `block_ids` as place holders that no attention reads, and `free` skips them.
+    released: int = 0
 
     def __len__(self) -> int:
         return len(self.block_ids)
@@ -190,10 +193,19 @@ class BlockManager:
     def free(self, table: BlockTable) -> None:
         """Release a sequence's blocks; cached ones stay reusable until evicted."""
         # Tail blocks first: they are the least likely to be shared, so they are evicted first.
-        for block_id in reversed(table.block_ids):
+        for block_id in reversed(table.block_ids[table.released :]):
             self._release(block_id)
         table.block_ids.clear()
         table.hashes.clear()
+        table.released = 0
+
+    def release_before(self, table: BlockTable, num_blocks: int) -> None:
+        """Give back the sequence's first `num_blocks` blocks, which nothing will read again (every layer's
+        window has passed them). Their ids stay in the table as place holders; cached ones stay cached."""
+        num_blocks = min(num_blocks, len(table.block_ids))
+        for i in range(table.released, num_blocks):
+            self._release(table.block_ids[i])
+        table.released = max(table.released, num_blocks)
 
     def truncate(self, table: BlockTable, num_tokens: int) -> None:
         """Keep only the blocks that hold the first `num_tokens` tokens: a speculative step's

@@ -143,6 +143,10 @@ class Engine:
             restore=None if self.kv_tier is None else self.kv_tier.restore,
         )
         self.runner = ModelRunner(model, self.cache)
+        # Where every layer attends over a window (Mistral), a decoding sequence's blocks the window has
+        # passed go back: its KV stays bounded however long it generates. A model with any global layer
+        # (Gemma 3) keeps them all: one block id holds every layer's keys.
+        self.window = min(cfg.windows) if cfg.windows and all(cfg.windows) else 0
         if graphs:
             self.runner.enable_cuda_graphs(num_blocks, -(-self.max_model_len // config.block_size))
         # The model is part of every block hash: a shared pool never mixes two models' keys.
@@ -347,6 +351,9 @@ class Engine:
         self.block_manager.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed)
         if self.kv_tier is not None and seq.num_generated == len(appended):  # its prompt just completed
             self.kv_tier.offload(seq)
+        if self.window:  # every layer windowed: the next query sees positions > num_computed - window only
+            passed = (seq.num_computed - self.window + 1) // self.config.block_size
+            self.block_manager.release_before(seq.block_table, passed)
         if draft is not None and self.speculator is not None:
             self.speculator.verified(seq, len(draft.tokens), len(tokens) - 1, len(appended))
         return seq.output(appended, logprobs)

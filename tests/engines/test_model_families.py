@@ -238,3 +238,29 @@ def test_speculative_decoding_with_a_draft_keeps_the_greedy_tokens(family_dir: P
     assert tokens[0] == tokens[1] and len(tokens[0]) == 16
     stats = spec.stats().speculative
     assert stats["spec_accepted"] > 0 and stats["spec_acceptance_rate"] == 1.0
+
+
+def test_a_windowed_model_holds_bounded_kv_however_long_it_generates(tmp_path: Path) -> None:
+    """Mistral with a 12-token window in 4-token blocks: a 480-token generation holds at most 6 blocks at any
+    step (the window's 3-4, the newest partial one, and one the next step allocates), where the same model
+    without the release holds all 125; and its tokens are the same."""
+    path = tiny_hf_model("mistral", tmp_path, max_position_embeddings=512)
+    params = SamplingParams(max_tokens=480, temperature=0.0, ignore_eos=True)
+    runs = []
+    for release in (True, False):
+        engine = Engine.from_dir(path, dtype="fp32", config=EngineConfig(block_size=BLOCK, kv_cache_bytes=1 << 22))
+        assert engine.window == 12
+        if not release:
+            engine.window = 0
+        engine.add_request(EngineRequest("long", IDS[:20].tolist(), params))
+        peak, tokens = 0, []
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens += out.new_token_ids
+            peak = max(peak, engine.stats().blocks.kv_blocks_used)
+        runs.append((peak, tokens))
+        assert engine.stats().blocks.kv_blocks_used == 0  # and `free` gave back exactly the rest
+    (bounded, ours), (unbounded, theirs) = runs
+    assert ours == theirs and len(ours) == 480
+    assert bounded <= 6 and unbounded == 125, (bounded, unbounded)
+    print(f"peak KV blocks: {bounded} with the release, {unbounded} without")
