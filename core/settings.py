@@ -28,7 +28,9 @@ DEFAULT_HOME = Path("~/.cache/switchboard")
 class TierSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field("smollm2-135m-instruct", description="registry model name or path to a HF directory")
+    model: str = Field(
+        "smollm2-135m-instruct", description="registry model name, path to a HF directory or to a GGUF file"
+    )
     dtype: Literal["bf16", "fp32"] = "bf16"
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="where the model and its KV pool live; auto: CUDA where present (Triton kernels)"
@@ -86,6 +88,11 @@ class TierSettings(BaseModel):
     @property
     def is_registry_model(self) -> bool:
         return self.model in REGISTRY
+
+    @property
+    def is_gguf(self) -> bool:
+        """`model` is a path to a GGUF file (converted once into the models cache)."""
+        return self.model.endswith(".gguf")
 
     @property
     def is_remote(self) -> bool:
@@ -207,6 +214,10 @@ class Settings(BaseSettings):
             return quantized_dir(self.home_dir, tier.model, tier.weights)
         if tier.is_registry_model:
             return registry_model_dir(self.home_dir, tier.model)
+        if tier.is_gguf:
+            from engines.checkpoints.gguf_convert import gguf_model_dir
+
+            return gguf_model_dir(self.home_dir, Path(tier.model))
         return Path(tier.model).expanduser()
 
     @property

@@ -27,8 +27,14 @@ log = logging.getLogger(__name__)
 
 
 def ensure_models(settings: Settings, *, progress: bool = True) -> None:
-    """Fetch every registry model a tier names that is not on disk yet (or fail saying how to)."""
+    """Fetch every registry model a tier names that is not on disk yet (or fail saying how to); convert
+    every GGUF file a tier names by path, once."""
     for name, tier in settings.tiers.items():
+        if tier.is_gguf:
+            from engines.checkpoints.gguf_convert import ensure_gguf_dir
+
+            ensure_gguf_dir(Path(tier.model), settings.home_dir, progress=progress)
+            continue
         if not tier.is_registry_model:
             continue
         # A remote tier needs only the tokenizer, which comes with the whole (bf16) registry model.
@@ -107,7 +113,9 @@ def load_remote(settings: Settings, name: str, tier: TierSettings) -> RemoteEngi
         breaker_cooldown_s=tier.breaker_cooldown_s,
         prompt_format=tier.prompt_format,
     )
-    model_dir = registry_model_dir(settings.home_dir, tier.model) if tier.is_registry_model else Path(tier.model)
+    model_dir = (
+        registry_model_dir(settings.home_dir, tier.model) if tier.is_registry_model else settings.model_dir(tier)
+    )
     engine = RemoteEngine.from_dir(model_dir.expanduser(), config, name=name, max_model_len=tier.max_model_len)
     log.info("tier %s: remote %s at %s, tokenized as %s", name, config.model, config.url, tier.model)
     return engine

@@ -80,6 +80,11 @@ def qwen15_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma3_dir() -> Path:
+    return fetched("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
 def qwen_int8_pair() -> tuple[Path, Path]:
     """(0.5B, 1.5B) int8 checkpoints, quantized once into the models cache (as the tiers serve them)."""
     from engines.checkpoints.quantized import fetch_quantized

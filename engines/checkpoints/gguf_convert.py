@@ -1,9 +1,10 @@
-"""Convert a llama.cpp GGUF file (llama or qwen2) into a Hugging Face directory we and HF can load.
+"""Convert a llama.cpp GGUF file (llama, qwen2, gemma3) into a Hugging Face directory we and HF can load.
 
 Weights are dequantized with the `gguf` package and stored as bf16 safetensors (the dtype the
 checkpoints were trained in; a 4-bit grid rounds into bf16 with < 0.4% relative error, far below the
 quantization error itself). Config and tokenizer (tokenizer.json plus the chat template) come from
-transformers' own GGUF readers.
+transformers' own GGUF readers. Gemma 3: llama.cpp stores its norms as 1 + w (what they scale by), so
+the conversion subtracts 1 back, as transformers' reader does.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from tqdm import tqdm
 
 from engines.models.config import UnsupportedModelError
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -38,19 +39,27 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # Qwen3 and Gemma 3
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    # Gemma 3's norms around attention and MLP (its `ffn_norm` is the MLP's input norm)
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
+_GEMMA_LAYER_NAMES = {"ffn_norm": "pre_feedforward_layernorm"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Special tokens that end a turn in every chat format we ship; generation stops on any present.
-_END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "</s>")
+_END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "</s>", "<end_of_turn>")
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.fullmatch(gguf_name)
-    if not m or m.group(2) not in _LAYER_NAMES:
+    names = _LAYER_NAMES | _GEMMA_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+    if not m or m.group(2) not in names:
         raise UnsupportedModelError(f"unexpected GGUF tensor {gguf_name}")
-    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
 
 
 def unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -78,13 +87,15 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, dtype: torch.dtype = torch.b
 
     tensors: dict[str, torch.Tensor] = {}
     for t in tqdm(reader.tensors, desc=f"dequantizing {gguf_path.name}", unit="tensor", disable=not progress):
-        name = hf_name(t.name)
+        name = hf_name(t.name, arch)
         shape = tuple(int(d) for d in reversed(t.shape))  # GGML lists dims fastest-first
         w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
         if arch == "llama" and ".attn_q." in t.name:
             w = unpermute_rope(w, n_head)
         elif arch == "llama" and ".attn_k." in t.name:
             w = unpermute_rope(w, n_kv)
+        elif arch == "gemma3" and name.endswith("norm.weight"):
+            w = w - 1.0
         tensors[name] = torch.tensor(w, dtype=dtype)  # copies: F32 tensors are read-only views of the file
     tied = "lm_head.weight" not in tensors
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
@@ -112,3 +123,42 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, dtype: torch.dtype = torch.b
         "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
     }
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+
+
+GGUF_MARKER = "gguf_source.json"
+
+
+def gguf_model_dir(home: Path, gguf_path: Path) -> Path:
+    """Where a GGUF file a tier names by path is converted to: one directory per file (its resolved path,
+    size and modification time), under `home/models/`."""
+    import hashlib
+
+    gguf_path = Path(gguf_path).expanduser().resolve()
+    stat = gguf_path.stat() if gguf_path.is_file() else None
+    key = f"{gguf_path}:{stat.st_size if stat else 0}:{stat.st_mtime_ns if stat else 0}"
+    return Path(home) / "models" / f"gguf-{gguf_path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def ensure_gguf_dir(gguf_path: Path, home: Path, *, progress: bool = True) -> Path:
+    """The converted directory of a GGUF file, converting it the first time (into a staging directory that
+    is renamed when complete, so an interrupted conversion is redone)."""
+    import shutil
+    import tempfile
+
+    gguf_path = Path(gguf_path).expanduser()
+    if not gguf_path.is_file():
+        raise UnsupportedModelError(f"{gguf_path}: no such GGUF file")
+    out = gguf_model_dir(home, gguf_path)
+    if (out / GGUF_MARKER).is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        convert_gguf(gguf_path, staging, progress=progress)
+        (staging / GGUF_MARKER).write_text(json.dumps({"gguf": str(gguf_path.resolve())}) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out

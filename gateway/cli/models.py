@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from gateway.cli.common import Failure, load_settings
 
@@ -67,7 +68,35 @@ def _models_list(_: argparse.Namespace) -> int:
     for name, entry in REGISTRY.items():
         state = "fetched" if is_fetched(home, name) else "not fetched"
         print(f"{name:32} {state:12} {entry.description}")
+    installed = installed_models(home / "models")
+    if installed:
+        print(f"\ninstalled in {home / 'models'}:")
+        for name, what in installed:
+            print(f"{name:45} {what}")
     return 0
+
+
+def installed_models(models: Path) -> list[tuple[str, str]]:
+    """(directory, what it holds) for every model directory under `models`: architecture, shape, weight
+    format, or why the engine cannot serve it."""
+    import json
+
+    from engines.models.config import ModelConfig, UnsupportedModelError
+
+    found = []
+    for d in sorted(p for p in models.iterdir() if p.is_dir() and (p / "config.json").is_file()):
+        try:
+            cfg = ModelConfig.from_dir(d)
+        except (UnsupportedModelError, KeyError, ValueError) as exc:
+            found.append((d.name, f"not servable: {exc}"))
+            continue
+        quant = d / "quantization.json"
+        fmt = json.loads(quant.read_text()).get("weights", "?") if quant.is_file() else "float"
+        moe = f", {cfg.num_experts} experts top-{cfg.num_experts_per_tok}" if cfg.num_experts else ""
+        found.append(
+            (d.name, f"{cfg.architecture}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}{moe}, {fmt}")
+        )
+    return found
 
 
 def _models_eval(args: argparse.Namespace) -> int:
