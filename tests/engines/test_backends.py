@@ -70,6 +70,16 @@ def test_the_triton_backend_serves_the_torch_reference_tokens(tiny_dir: Path) ->
     assert ours == reference and all(reference)
 
 
+def test_the_triton_backend_serves_qwen3_moe_with_the_torch_reference_tokens(tmp_path: Path) -> None:
+    """Qwen3-MoE on Triton: q/k norms through the Triton RMSNorm, 8 experts top-3 renormalised through the
+    fused MoE, a dense `mlp_only_layers` layer (the fixture's models cover windows, GELU-tanh and scales)."""
+    model_dir = tiny_hf_model("qwen3_moe", tmp_path)
+    reference, _ = generate(model_dir, TorchBackend())
+    ours, engine = generate(model_dir, TritonBackend())
+    assert type(engine.runner.backend).__name__ == "TritonPagedAttention"
+    assert ours == reference and all(reference)
+
+
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_quantized_linears_take_the_device_backends_kernel(weights: str) -> None:
     from engines.kernels.quantize import quantize_int4, quantize_int8

@@ -83,14 +83,22 @@ def scenario(config: str, batch: str) -> Scenario:
     return cache, q, k, v, meta
 
 
+# A sliding window shorter than most contexts (and than an extend tile, so a tile's later rows see none of its
+# first keys) with its own score scale (Gemma 3's query_pre_attn_scalar): (window, scale).
+WINDOWED = (5, 0.3)
+
+
 @functools.cache
-def expected(config: str, batch: str) -> tuple[torch.Tensor, PagedKVCache]:
+def expected(config: str, batch: str, windowed: bool = False) -> tuple[torch.Tensor, PagedKVCache]:
     cache, q, k, v, meta = scenario(config, batch)
     cache = copy.deepcopy(cache)
-    return TorchPagedAttention(cache).forward(0, q, k, v, meta), cache
+    window, scale = WINDOWED if windowed else (0, None)
+    return TorchPagedAttention(cache).forward(0, q, k, v, meta, window=window, scale=scale), cache
 
 
-def attention_error(config: str, batch: str, child: str | None = None) -> tuple[float, PagedKVCache]:
+def attention_error(
+    config: str, batch: str, child: str | None = None, windowed: bool = False
+) -> tuple[float, PagedKVCache]:
     """Max |Triton - torch| over the batch relative to the output's magnitude, and the Triton cache. bf16 runs
     the compiled kernels on the GPU in a child process (`triton_support.on_gpu`; `child` names another
     device for it); the oracle stays the CPU's."""
@@ -99,14 +107,15 @@ def attention_error(config: str, batch: str, child: str | None = None) -> tuple[
     if child := child or ("cuda" if CONFIGS[config][3] == torch.bfloat16 else None):
         out, cache = triton_support.on_gpu("attention", cache, splits, q, k, v, meta, device=child)
     else:
-        out = ta.TritonPagedAttention(cache, num_splits=splits).forward(0, q, k, v, meta)
-    want, _ = expected(config, batch)
+        window, scale = WINDOWED if windowed else (0, None)
+        out = ta.TritonPagedAttention(cache, num_splits=splits).forward(0, q, k, v, meta, window=window, scale=scale)
+    want, _ = expected(config, batch, windowed)
     assert out.dtype == q.dtype and out.shape == q.shape
     return ((out.double() - want.double()).abs().max() / want.abs().max()).item(), cache
 
 
-def attention_passes(config: str, batch: str) -> bool:
-    error, _ = attention_error(config, batch)
+def attention_passes(config: str, batch: str, windowed: bool = False) -> bool:
+    error, _ = attention_error(config, batch, windowed=windowed)
     return error <= TOLERANCE[CONFIGS[config][3]]  # False for NaN too
 
 
@@ -122,6 +131,15 @@ def test_attention_matches_torch_backend(config: str, batch: str) -> None:
     _, want = expected(config, batch)
     assert torch.equal(cache.buffer, want.buffer)  # store_kv inside forward wrote the same bits
     assert cache.scales is None or torch.equal(cache.scales, want.scales)
+
+
+@pytest.mark.parametrize("batch", list(BATCHES))
+@pytest.mark.parametrize("config", ["gqa-bs4-fp32", "gqa3-bs8-fp16", "gqa-bs4-int8-fp16"])
+def test_windowed_attention_with_its_own_scale_matches_torch_backend(config: str, batch: str) -> None:
+    error, _ = attention_error(config, batch, windowed=True)
+    assert error <= TOLERANCE[CONFIGS[config][3]], error
+    windowed, plain = expected(config, batch, True)[0], expected(config, batch)[0]
+    assert not torch.allclose(windowed, plain)  # the window and scale change the answer: the oracles differ
 
 
 # --- store_kv ------------------------------------------------------------------------------------------
@@ -250,6 +268,24 @@ MUTANTS: dict[str, tuple[str, str, str, Callable[[], bool]]] = {
         "s = s * tl.load(ks_ptr + slot, mask=key_ok, other=0).to(tl.float32)[None, :]",
         "s = s * 1.0",
         lambda: attention_passes("mha-bs8-int8-fp32", "decode"),
+    ),
+    "decode-ignores-the-window": (
+        "_decode_split_kernel",
+        "lo = tl.where(window > 0, tl.maximum(length - window, 0), 0)",
+        "lo = 0",
+        lambda: attention_passes("gqa-bs4-fp32", "decode", windowed=True),
+    ),
+    "extend-window-off-by-one": (
+        "_attend_causal",
+        "(pos[None, :] > q_pos[:, None] - window)",
+        "(pos[None, :] >= q_pos[:, None] - window)",
+        lambda: attention_passes("gqa3-bs8-fp16", "mixed", windowed=True),
+    ),
+    "extend-starts-past-the-first-rows-window": (
+        "_attend_causal",
+        "tl.min(q_pos, axis=0) - window + 1",
+        "tl.max(q_pos, axis=0) - window + 1",
+        lambda: attention_passes("gqa3-bs8-fp16", "mixed", windowed=True),
     ),
     "extend-drops-value-scale": (
         "_attend_block",

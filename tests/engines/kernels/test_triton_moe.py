@@ -178,9 +178,40 @@ GEMM_MUTANTS = {
     "last real tile skipped": ("BLOCK_M >= tl.load(num_padded_ptr)", "BLOCK_M >= tl.load(num_padded_ptr) - BLOCK_M"),
 }
 SILU_MUTANTS = {
-    "no silu": ("gate * tl.sigmoid(gate) * up", "gate * up"),
+    "no silu": ("act = gate * tl.sigmoid(gate) * up", "act = gate * up"),
     "up read from the gate half": ("row * stride_gm + inter + offs", "row * stride_gm + offs"),
 }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_gelu_tanh_mul_matches_the_reference(dtype: torch.dtype) -> None:
+    """Gemma's GeGLU activation: the kernel's GELU-tanh (tanh as 2·sigmoid(2y) - 1) against torch's."""
+    from engines.kernels.reference import gelu_tanh_mul
+
+    gate_up = (torch.randn(7, 2 * 40, generator=torch.Generator().manual_seed(4)) * 3).to(dtype)
+    want = gelu_tanh_mul(gate_up.float(), 40)
+    got = triton_moe.gelu_tanh_mul(gate_up, 40)
+    assert got.dtype == dtype
+    torch.testing.assert_close(
+        got.float(), want, rtol=1e-5 if dtype == torch.float32 else 2e-3, atol=1e-5 if dtype == torch.float32 else 2e-3
+    )
+    silu = triton_moe.silu_mul(gate_up, 40)
+    assert not torch.allclose(silu.float(), want, atol=1e-2)  # a kernel that ignored GELU would fail above
+
+
+GELU_MUTANTS = {
+    "gelu without the cubic term": ("gate + 0.044715 * gate * gate * gate", "gate"),
+    "gelu without the half": ("act = 0.5 * gate * (2.0", "act = gate * (2.0"),
+}
+
+
+@pytest.mark.parametrize("name", list(GELU_MUTANTS))
+def test_broken_gelu_fails(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(
+        triton_moe, "_silu_mul_kernel", triton_support.mutant(triton_moe, "_silu_mul_kernel", *GELU_MUTANTS[name])
+    )
+    with pytest.raises(AssertionError):
+        test_gelu_tanh_mul_matches_the_reference(torch.float32)
 
 
 @pytest.mark.parametrize(("name", "kernel", "edit"), [
