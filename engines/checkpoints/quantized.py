@@ -53,7 +53,7 @@ def state_from_gguf(gguf_path: Path, cfg: ModelConfig, fmt: str, *, progress: bo
     biases: dict[str, dict[int, torch.Tensor]] = {}
     state: State = {}
     for t in reader.tensors:
-        ours, shard = fused_name(hf_name(t.name).removeprefix("model."))
+        ours, shard = fused_name(hf_name(t.name, arch).removeprefix("model."))
         shape = tuple(int(d) for d in reversed(t.shape))
         role = t.name.split(".")[-2]
         perm = None
@@ -72,6 +72,8 @@ def state_from_gguf(gguf_path: Path, cfg: ModelConfig, fmt: str, *, progress: bo
             value = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape))
             if perm is not None:
                 value = value[perm]
+            if arch == "gemma3" and ours.endswith("norm.weight"):
+                value = value - 1.0  # llama.cpp stores Gemma's norms as 1 + w (`gguf_convert`)
             if ours.endswith(".bias"):
                 biases.setdefault(ours, {})[shard] = value
             else:

@@ -264,3 +264,20 @@ def test_a_windowed_model_holds_bounded_kv_however_long_it_generates(tmp_path: P
     assert ours == theirs and len(ours) == 480
     assert bounded <= 6 and unbounded == 125, (bounded, unbounded)
     print(f"peak KV blocks: {bounded} with the release, {unbounded} without")
+
+
+def test_sharded_fp16_checkpoints_load(tmp_path: Path) -> None:
+    """A directory of several safetensors shards with their index, stored in fp16: every tensor found."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_hf_model("qwen3", tmp_path / "fp32")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float16)
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    sharded = tmp_path / "sharded"
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (sharded / name).write_bytes((path / name).read_bytes())
+    assert len(list(sharded.glob("*.safetensors"))) > 3 and (sharded / "model.safetensors.index.json").is_file()
+    with torch.inference_mode():
+        got = pieces(load_model(sharded, "fp32"), IDS, native=False)
+        want = pieces(load_model(path, "fp32"), IDS, native=False)
+    assert 0 < (got - want).abs().max().item() < 1e-2  # the fp16 rounding of the weights, nothing more
