@@ -113,3 +113,37 @@ def test_checkpoints_from_the_ggufs_blocks(gemma3_dir: Path, text_ids: list[int]
     agree, int4_file = error(load_model(checkpoint))
     _, int4_ours = error(load_model(gemma3_dir, "bf16", "int4"))
     assert int4_file < 0.6 * int4_ours and agree > 0.7, (int4_file, int4_ours, agree)
+
+
+def test_structured_output_with_gemmas_tokenizer(gemma3_dir: Path) -> None:
+    """The grammar masks work over Gemma's 262k-token vocabulary: every sampled answer is valid JSON of the
+    schema, ended by the grammar."""
+    import json
+
+    import jsonschema
+
+    from engines.request import EngineRequest, FinishReason
+    from engines.sampling import SamplingParams
+
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}, "year": {"type": "integer"}},
+        "required": ["city", "year"],
+        "additionalProperties": False,
+    }
+    engine = Engine.from_dir(gemma3_dir, dtype="bf16", config=EngineConfig(kv_cache_bytes=1 << 26))
+    grammar = engine.grammars.json_schema(schema)
+    prompt = engine.tokenizer.hf("The capital of France, as JSON:")["input_ids"]
+    for i in range(4):
+        params = SamplingParams(max_tokens=40, temperature=1.0, seed=i)
+        engine.add_request(EngineRequest(f"j{i}", prompt, params, grammar=grammar))
+    texts: dict[str, str] = {}
+    reasons: dict[str, FinishReason | None] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            texts[out.request_id] = texts.get(out.request_id, "") + out.text
+            reasons[out.request_id] = out.finish_reason
+    assert len(texts) == 4
+    for rid, text in texts.items():
+        assert reasons[rid] is FinishReason.STOP, (text, reasons[rid])
+        jsonschema.validate(json.loads(text), schema)
