@@ -15,7 +15,14 @@ from gateway.response_cache import CachedAnswer
 
 
 def storable(plan: Plan, outcome: Outcome) -> bool:
-    return outcome.status == "ok" and outcome.served.name == plan.wanted_tier and plan.cache.key is not None
+    """A finished answer of the tier asked for that passed every final check: one that failed a check is
+    served (and reported) when nothing retries it, but never replayed to later requests."""
+    return (
+        outcome.status == "ok"
+        and outcome.served.name == plan.wanted_tier
+        and plan.cache.key is not None
+        and not any(h.failed for h in plan.checks.hooks)
+    )
 
 
 def answer(plan: Plan, outcome: Outcome) -> CachedAnswer | None:

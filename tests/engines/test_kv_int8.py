@@ -140,11 +140,12 @@ def ignoring_scale(which: int) -> Callable[..., torch.Tensor]:
         v: torch.Tensor,
         allowed: torch.Tensor,
         scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+        scale: float | None = None,
     ) -> torch.Tensor:
         if scales is not None:
             ones = torch.ones_like(scales[which])
             scales = (ones, scales[1]) if which == 0 else (scales[0], ones)
-        return real(q, k, v, allowed, scales)
+        return real(q, k, v, allowed, scales, scale)
 
     return attend
 

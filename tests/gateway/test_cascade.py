@@ -139,6 +139,22 @@ def test_without_a_cascade_the_failed_check_is_only_reported(live: LiveServer) -
     assert "0:math:escalate@" in r.headers["x-switchboard-verifiers"]
 
 
+def test_an_answer_that_failed_its_check_is_never_cached(live: LiveServer) -> None:
+    """Without a cascade the failed answer goes out, but a repeat of the request runs again instead of
+    replaying it; an answer that passed is replayed."""
+    key = tenant_key(live, {"verifiers": {"checks": ["math"]}})
+
+    def twice(content: str) -> list[httpx.Response]:
+        return [ask(live, key, content, cache="default") for _ in range(2)]
+
+    failed = twice(f"Say hello to my friend Anna in one short sentence. ({uuid.uuid4().hex[:6]})")
+    assert all("0:math:escalate@" in r.headers["x-switchboard-verifiers"] for r in failed)
+    assert [r.headers.get("x-switchboard-cache") for r in failed] == ["miss", "miss"]
+    passed = twice(f"What is 2 + 2? Reply with the number. ({uuid.uuid4().hex[:6]})")
+    assert passed[0].headers["x-switchboard-verifiers"] == "none"
+    assert [r.headers.get("x-switchboard-cache") for r in passed] == ["miss", "hit"]
+
+
 @pytest.mark.parametrize(("threshold", "escalated"), [(1.0, True), (0.0, False)])
 def test_the_probe_check_escalates_below_its_threshold(live: LiveServer, threshold: float, escalated: bool) -> None:
     policy = {"verifiers": {"checks": ["probe"], "probe_threshold": threshold, "cascade": True}}
