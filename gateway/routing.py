@@ -38,6 +38,7 @@ from policies.policy import Policy
 from router_model.drift import LargeShareWindow, Shares
 from router_model.features import Messages
 from router_model.model import LARGE, SMALL, RouterLoadError, cheapest_tier
+from router_model.quality import estimate
 from router_model.routed_prompts import RoutedPromptStore
 from router_model.serving import RouterService
 
@@ -257,11 +258,22 @@ class RoutingStage:
                 out["hidden_states"] = dict(self.hidden.counts)
         out["drift"] = self.drift.shares().as_dict() if tenants is None else None
         out["tenants"] = {
-            name: window.shares().as_dict()
+            name: window.shares().as_dict() | {"quality": self._quality(name, window)}
             for name, window in sorted(self.tenant_drift.items())
             if tenants is None or name in tenants
         }
         return out
+
+    def _quality(self, tenant: str, window: LargeShareWindow) -> dict[str, object] | None:
+        """The tenant's estimated quality against always-large (`router_model.quality`) from its shadow
+        verdicts and its decisions in the window; None before its first verdict."""
+        if self.relabeler is None:
+            return None
+        shares = window.shares()
+        if shares.large_share is None:
+            return None
+        found = estimate(1 - shares.large_share, *self.relabeler.verdicts.counts(tenant))
+        return None if found is None else found.as_dict()
 
     async def close(self) -> None:
         if self.relabeler is not None:

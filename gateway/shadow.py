@@ -19,7 +19,9 @@ Accounting, one ledger row per shadow run (`route = "shadow"`, its id the reques
   label row (`prompt_tokens`, `large_tokens`, `judge_prompt_tokens`, `judge_tokens`).
 
 The label log is JSONL under the home directory, one row per judged run in `router label`'s format
-plus `messages`, `request_id`, `tenant_id` and `started` (epoch seconds when the shadow run began).
+plus `messages`, `request_id`, `tenant_id`, `tenant` (its name) and `started` (epoch seconds when the
+shadow run began). Each verdict also counts toward its tenant's quality estimate
+(`router_model.quality`, in `GET /v1/admin/router`); the counts are read back from the log at start.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from router_model.features import split_conversation
 from router_model.label import JUDGE_MAX_TOKENS, MAX_TOKENS, tier_model
 from router_model.label_store import Row, open_appender
 from router_model.model import LARGE, SMALL
+from router_model.quality import TenantVerdicts
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +75,7 @@ class ShadowJob:
     request_id: str
     endpoint: str
     tenant_id: int
+    tenant: str  # its name
     key_id: int
     policy: Versioned
     messages: list[dict[str, str]]
@@ -88,6 +92,7 @@ class ShadowJob:
             request_id=caller.request_id,
             endpoint=caller.endpoint,
             tenant_id=caller.principal.tenant_id,
+            tenant=caller.principal.tenant_name,
             key_id=caller.principal.key_id,
             policy=caller.policy,
             messages=[{"role": str(m["role"]), "content": str(m["content"])} for m in plan.conversations[0]],
@@ -141,6 +146,8 @@ class Relabeler:
         self._rng = rng or random.Random()
         self._append_lock = threading.Lock()  # rows from concurrent runs never interleave
         self._tasks: set[asyncio.Task[Row | None]] = set()
+        self.verdicts = TenantVerdicts()  # per tenant: the shadow verdicts so far, the log's included
+        self.verdicts.load(_read_rows(self.path))
 
     def wants(self, policy: Versioned, served_by: str) -> bool:
         """Whether this small-tier answer is drawn for a shadow run (the policy's share; a large tier to run on)."""
@@ -304,6 +311,7 @@ class Relabeler:
             "messages": job.messages,
             "request_id": job.request_id,
             "tenant_id": job.tenant_id,
+            "tenant": job.tenant,
             "started": started,
         }
 
@@ -346,6 +354,7 @@ class Relabeler:
     def _append(self, row: Row) -> None:
         with self._append_lock, open_appender(self.path) as append:
             append(row)
+        self.verdicts.add(row["tenant"], row["small_ok"])
 
     async def close(self, timeout: float = 30.0) -> None:
         """Let running shadow runs finish (each writes its row), then cancel what is left."""
@@ -357,3 +366,18 @@ class Relabeler:
             task.cancel()
         if pending:
             await asyncio.wait(pending, timeout=5.0)
+
+
+def _read_rows(path: Path) -> list[Row]:
+    """The label log's rows (none when there is no log yet); a torn last line is skipped."""
+    import json
+
+    rows: list[Row] = []
+    if not path.is_file():
+        return rows
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows

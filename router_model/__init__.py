@@ -14,6 +14,7 @@ __all__ = [
     "label",
     "label_store",
     "model",
+    "quality",
     "routed_prompts",
     "serving",
     "synthetic",

@@ -16,11 +16,25 @@ from gateway.errors import documented
 router = APIRouter(prefix="/v1", tags=["admin"], responses=documented(401, 403, 413, 422, 503))
 
 
+class Quality(BaseModel):
+    """The tenant's quality under `auto` against always-large, from its own shadow runs (`router_model.quality`)."""
+
+    ratio: float = Field(description="1 - cheaper_share × (1 - ok / judged): its answers as good as always-large's")
+    low: float = Field(description="95% interval (Wilson's on ok / judged), lower end")
+    high: float = Field(description="upper end")
+    judged: int = Field(description="shadow runs judged so far (the label log's included)")
+    ok: int = Field(description="of them, cheaper answers the large tier found good enough")
+    cheaper_share: float = Field(description="share of the window's decisions served below large")
+
+
 class Shares(BaseModel):
     decisions: int = Field(description="routing decisions in the window (the last 1,000)")
     large_share: float | None = Field(description="of them, the share sent to the large tier by the router")
     calibrated_large_share: float | None = Field(
         description="the share their thresholds were calibrated to send large (mean over decisions that have one)"
+    )
+    quality: Quality | None = Field(
+        None, description="per tenant: estimated quality against always-large, once shadow runs judged some answers"
     )
 
 

@@ -256,7 +256,7 @@ def test_the_policy_decides_threshold_tiers_and_whether_every_request_is_routed(
 
 
 def test_shadow_runs_start_after_the_response_and_log_label_rows(gateway: Gateway, tmp_path: Path) -> None:
-    _, unbilled, _ = gateway.tenant(store_prompts=True, shadow_share=1.0)
+    unbilled_name, unbilled, _ = gateway.tenant(store_prompts=True, shadow_share=1.0)
     _, billed, _ = gateway.tenant(store_prompts=True, shadow_share=1.0, shadow_billed=True)
     _, never, _ = gateway.tenant(store_prompts=True)
 
@@ -301,6 +301,15 @@ def test_shadow_runs_start_after_the_response_and_log_label_rows(gateway: Gatewa
     assert paid.saved_routing == -uncached  # its price is routing's overhead
     assert paid.counterfactual_cost - paid.cost == paid.saved_routing + paid.saved_cache + paid.saved_speculation
     assert not gateway.live.usage_rows(request_id=f"{skipped.json()['id']}-shadow")
+
+    # each verdict counts toward its tenant's quality estimate against always-large, shown to the operator
+    assert {rows[rid]["tenant"] for rid in (same.json()["id"], judged.json()["id"])} == {unbilled_name}
+    ops = create_tenant(gateway.live.db, f"ops-{uuid.uuid4().hex[:8]}", operator=True, role="admin").key
+    stats = httpx.get(f"{gateway.live.base_url}/v1/admin/router", headers={"Authorization": f"Bearer {ops}"}).json()
+    quality = stats["tenants"][unbilled_name]["quality"]
+    ok = sum(rows[rid]["small_ok"] for rid in (same.json()["id"], judged.json()["id"]))
+    assert (quality["judged"], quality["ok"], quality["cheaper_share"]) == (2, ok, 1.0)  # both served small
+    assert quality["low"] <= quality["ratio"] == ok / 2 <= quality["high"]
 
     # the live labels train a router (`--from-logs`), beside labels from elsewhere
     labels = write_label_file(synthetic_examples(120, seed=5), tmp_path / "labels.jsonl")
