@@ -59,7 +59,7 @@ class RouteDecision:
     tier: str  # the tier it goes to, after the policy's allowed tiers
     p_small_ok: float
     threshold: float
-    threshold_from: str  # policy | tenant | global
+    threshold_from: str  # policy | tenant | floor | global
     calibrated_large_share: float | None  # what the threshold was calibrated to send large; None: a fixed one
     seconds: float  # the decision's time, queueing for the router thread included
     p_ok: dict[str, float] = field(default_factory=dict)  # P(good enough) per tier the router predicts
@@ -188,6 +188,11 @@ class RoutingStage:
         router, settings = self.service.router, policy.router
         if settings.mode == "threshold":
             return settings.threshold, "policy", None
+        if settings.mode == "quality_ratio":
+            found = router.threshold_for_floor(settings.quality_ratio)
+            if found is not None:
+                return found[0], "floor", found[1]
+            return router.threshold, "global", router.large_share_for(None)
         calibration = settings.calibration
         if calibration is not None and calibration.router == router.id:
             return calibration.threshold, "tenant", calibration.large_share

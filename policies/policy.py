@@ -52,10 +52,15 @@ class RouterCalibration(_Strict):
 class RouterSettings(_Strict):
     """The learned router (`model: "auto"`): a request goes to the large tier when P(small is good enough)
     falls below the threshold. Mode "threshold": `threshold` itself. Mode "large_share": the tenant's
-    `calibration` (if it was computed for the router being served), else the router's global threshold."""
+    `calibration` (if it was computed for the router being served), else the router's global threshold.
+    Mode "quality_ratio": the threshold that holds `auto` to `quality_ratio` of always-large's quality on the
+    router's held-out curve with the fewest large calls (the global threshold for a router without one)."""
 
-    mode: Literal["threshold", "large_share"] = "large_share"
+    mode: Literal["threshold", "large_share", "quality_ratio"] = "large_share"
     threshold: float = Field(0.5, ge=0.0, le=1.0)
+    quality_ratio: float = Field(
+        0.95, gt=0.0, le=1.0, description="mode quality_ratio: auto's quality as a share of always-large's"
+    )
     large_share: float = Field(0.25, ge=0.0, le=1.0, description="the share of large calls calibration aims for")
     calibration: RouterCalibration | None = None
     route_all: bool = Field(False, description="route every request, whatever tier its `model` names")

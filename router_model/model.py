@@ -88,6 +88,20 @@ class Router:
     def threshold(self) -> float:
         return float(self.metadata.get("threshold", 0.5))
 
+    def threshold_for_floor(self, ratio: float) -> tuple[float, float] | None:
+        """(threshold, the share it sends large) holding `auto`'s quality to `ratio` of always-large's on the
+        router's held-out curve: the fewest large calls whose quality there is at least ratio × the large
+        tier's. None for a router trained before the curve was kept."""
+        from router_model.calibrate import threshold_for_quality_floor
+
+        curve = self.metadata.get("heldout_curve")
+        if not curve or not curve.get("p"):
+            return None
+        p = np.asarray(curve["p"], float)
+        large_ok = np.asarray(curve["large_ok"], bool)
+        threshold = threshold_for_quality_floor(p, curve["small_ok"], large_ok, ratio * float(large_ok.mean()))
+        return threshold, float(np.mean(p < threshold))
+
     def threshold_for(self, tenant: str | None = None) -> float:
         """The tenant's calibrated threshold where there is one, else the global one."""
         return float(self.metadata.get("tenant_thresholds", {}).get(tenant, self.threshold))

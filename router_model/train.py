@@ -152,6 +152,12 @@ def train_router(
         "threshold_from": f"large share {large_share} of the held-out split",
         "large_share": float(np.mean(held_p < threshold)),  # sent large there: what the drift gauge expects
         "tenant_thresholds": {},
+        # the kept classifier's held-out curve, so a quality floor becomes a threshold without rescoring
+        "heldout_curve": {
+            "p": [round(float(x), 6) for x in held_p],
+            "small_ok": [bool(e.small_ok) for e in heldout],
+            "large_ok": [bool(e.large_ok) for e in heldout],
+        },
     }
     router = Router(
         text.model, metadata, embedder, hidden_classifier=best.model if uses_hidden else None,

@@ -99,7 +99,10 @@ def _side(ctx: _Context, pipeline: Pipeline, tenant: str, policy: Policy, floor:
     at, tiers_note = effective_threshold(threshold, routed_tiers(policy, list(pipeline.engines)))
     point = ctx.data.at(at) if ctx.data is not None and at is not None else None
     r = policy.router
-    mode = f"large share {r.large_share:g}" if r.mode == "large_share" else f"threshold {r.threshold:.4g}"
+    mode = {
+        "large_share": f"large share {r.large_share:g}",
+        "quality_ratio": f"{r.quality_ratio:g} of always-large's quality",
+    }.get(r.mode, f"threshold {r.threshold:.4g}")
     if floor is not None:
         mode += f" (quality floor {floor:g})"
     tiers = "any tier served" if policy.allowed_tiers is None else ", ".join(policy.allowed_tiers)

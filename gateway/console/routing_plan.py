@@ -218,7 +218,9 @@ def threshold_of(routing: RoutingStage, policy: Policy, tenant: str) -> tuple[fl
     where it cannot be known without a router."""
     if routing.service is not None:
         t, source, _ = routing.threshold(policy, tenant)
-        return t, {"policy": "the policy's own", "tenant": "calibrated for this tenant"}.get(source, "the router's")
+        names = {"policy": "the policy's own", "tenant": "calibrated for this tenant"}
+        names["floor"] = f"held to {policy.router.quality_ratio:g} of always-large's quality on the held-out curve"
+        return t, names.get(source, "the router's")
     r = policy.router
     if r.mode == "threshold":
         return r.threshold, "the policy's own"

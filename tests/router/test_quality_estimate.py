@@ -51,3 +51,32 @@ def test_verdicts_load_from_live_label_rows_that_name_their_tenant() -> None:
         ]
     )
     assert verdicts.counts("acme") == (1, 2)
+
+
+def test_a_floor_becomes_the_threshold_with_the_fewest_large_calls_that_keep_it() -> None:
+    """`Router.threshold_for_floor`: on the held-out curve kept in the router's metadata, the routed quality
+    is at least the floor's share of always-large's, and a higher floor never sends fewer requests large."""
+    import numpy as np
+
+    from router_model.encoder import RouterEncoder
+    from router_model.examples import split_examples
+    from router_model.synthetic import synthetic_examples
+    from router_model.train import train_router
+
+    train, heldout = split_examples(synthetic_examples(160, seed=2), test_size=0.25, seed=0)
+    router = train_router(train, heldout, RouterEncoder(), seed=0, folds=2, candidates=("hist_gb",)).router
+    curve = router.metadata["heldout_curve"]
+    assert len(curve["p"]) == len(heldout) == len(curve["small_ok"]) == len(curve["large_ok"])
+    p, small, large = (np.asarray(curve[k], float) for k in ("p", "small_ok", "large_ok"))
+    shares = []
+    for ratio in (0.7, 0.9, 0.95, 1.0):
+        found = router.threshold_for_floor(ratio)
+        assert found is not None
+        threshold, share = found
+        routed = np.where(p < threshold, large, small).mean()  # large where P(small ok) falls short
+        assert routed >= ratio * large.mean() - 1e-9 or share == 1.0, (ratio, routed)
+        assert share == np.mean(p < threshold)
+        shares.append(share)
+    assert shares == sorted(shares) and shares[0] < shares[-1]
+    del router.metadata["heldout_curve"]  # a router trained before the curve was kept: no floor to compute
+    assert router.threshold_for_floor(0.95) is None

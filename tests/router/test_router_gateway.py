@@ -255,6 +255,21 @@ def test_the_policy_decides_threshold_tiers_and_whether_every_request_is_routed(
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
 
 
+def test_a_quality_floor_routes_by_the_threshold_it_implies(gateway: Gateway) -> None:
+    """Mode quality_ratio: each tenant's requests go large exactly when P(small is good enough) falls below
+    the threshold its floor implies on the router's held-out curve; a higher floor sends more large."""
+    router = load_router(gateway.router_dir)
+    implied = {ratio: router.threshold_for_floor(ratio) for ratio in (0.5, 1.0)}
+    assert all(v is not None for v in implied.values())
+    assert implied[0.5][1] <= implied[1.0][1]  # type: ignore[index]
+    for ratio, (threshold, _) in implied.items():  # type: ignore[misc]
+        _, key, _ = gateway.tenant(mode="quality_ratio", quality_ratio=ratio)
+        for content in (SIMPLE, HARD):
+            r = gateway.chat(key, content)
+            assert r.status_code == 200
+            assert r.headers["x-switchboard-tier"] == ("large" if _p(r) < threshold else "small"), (ratio, content)
+
+
 def test_shadow_runs_start_after_the_response_and_log_label_rows(gateway: Gateway, tmp_path: Path) -> None:
     unbilled_name, unbilled, _ = gateway.tenant(store_prompts=True, shadow_share=1.0)
     _, billed, _ = gateway.tenant(store_prompts=True, shadow_share=1.0, shadow_billed=True)
