@@ -3,17 +3,25 @@ cache as the engine computes them, and llama.cpp's negative log-likelihood of th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from engines.kernels.metadata import AttentionMetadata
+from engines.kernels.metadata import AttentionBackend, AttentionMetadata
 from engines.kv.cache import PagedKVCache
 
 
-def logits_in_pieces(model: torch.nn.Module, ids: torch.Tensor, cuts: list[int], block: int = 4) -> torch.Tensor:
-    """Every position's logits: a prefill to cuts[0], chunks to the other cuts, then one-token decodes, over
-    the engine's attention backend for this device and the sequence's blocks scattered over the pool."""
+def logits_in_pieces(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    cuts: list[int],
+    block: int = 4,
+    backend: Callable[[PagedKVCache], AttentionBackend] | None = None,
+) -> torch.Tensor:
+    """Every position's logits: a prefill to cuts[0], chunks to the other cuts, then one-token decodes, with
+    the sequence's blocks scattered over the pool; over `backend(cache)`, else the engine's attention backend
+    for this device."""
     from engines.kernels.backends import backend_for
 
     cfg = model.config
@@ -21,12 +29,12 @@ def logits_in_pieces(model: torch.nn.Module, ids: torch.Tensor, cuts: list[int],
     cache = PagedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, needed + 3, block, model.dtype)
     cache.zero_blocks(list(range(needed + 3)))
     table = torch.randperm(needed + 3, generator=torch.Generator().manual_seed(0))[:needed].tolist()
-    backend = backend_for(cache.buffer).attention(cache, cfg)
+    attention = backend(cache) if backend is not None else backend_for(cache.buffer).attention(cache, cfg)
     out, start = [], 0
     with torch.inference_mode():
         for end in [*cuts, *range(cuts[-1] + 1, len(ids) + 1)]:
             meta = AttentionMetadata.build(block, [table], [start], [end - start])
-            out.append(model.compute_logits(model(ids[start:end], torch.arange(start, end), backend, meta)))
+            out.append(model.compute_logits(model(ids[start:end], torch.arange(start, end), attention, meta)))
             start = end
     return torch.cat(out)
 

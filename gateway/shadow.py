@@ -52,7 +52,7 @@ from policies.pricing import Tokens, worst_case
 from policies.store import Versioned
 from router_model.features import split_conversation
 from router_model.label import JUDGE_MAX_TOKENS, MAX_TOKENS, tier_model
-from router_model.label_store import Row, open_appender
+from router_model.label_store import Row, open_appender, read_rows
 from router_model.model import LARGE, SMALL
 from router_model.quality import TenantVerdicts
 
@@ -147,7 +147,10 @@ class Relabeler:
         self._append_lock = threading.Lock()  # rows from concurrent runs never interleave
         self._tasks: set[asyncio.Task[Row | None]] = set()
         self.verdicts = TenantVerdicts()  # per tenant: the shadow verdicts so far, the log's included
-        self.verdicts.load(_read_rows(self.path))
+        try:
+            self.verdicts.load(read_rows(self.path))
+        except ValueError as exc:  # a damaged log: the estimates start over rather than the gateway failing
+            log.warning("tenant quality estimates start empty: %s", exc)
 
     def wants(self, policy: Versioned, served_by: str) -> bool:
         """Whether this small-tier answer is drawn for a shadow run (the policy's share; a large tier to run on)."""
@@ -366,18 +369,3 @@ class Relabeler:
             task.cancel()
         if pending:
             await asyncio.wait(pending, timeout=5.0)
-
-
-def _read_rows(path: Path) -> list[Row]:
-    """The label log's rows (none when there is no log yet); a torn last line is skipped."""
-    import json
-
-    rows: list[Row] = []
-    if not path.is_file():
-        return rows
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue
-    return rows

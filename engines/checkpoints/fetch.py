@@ -11,7 +11,6 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from engines.checkpoints.registry import REGISTRY, Chunk, RegistryModel
+from engines.checkpoints.staging import staged_dir
 
 MARKER = "switchboard-source.json"
 _CHUNK_BYTES = 8 << 20
@@ -77,8 +77,7 @@ def _fetch_locked(entry: RegistryModel, out: Path, home: Path, progress: bool, k
     # Imported here so `models list` and the server's startup check stay light.
     from engines.checkpoints.gguf_convert import convert_gguf
 
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out.parent))
-    try:
+    with staged_dir(out) as staging:
         _say(progress, f"{name}: converting {gguf_path.name} to a Hugging Face directory")
         try:
             convert_gguf(gguf_path, staging, progress=progress)
@@ -87,11 +86,6 @@ def _fetch_locked(entry: RegistryModel, out: Path, home: Path, progress: bool, k
         (staging / MARKER).write_text(
             json.dumps({"name": name, "gguf_file": entry.gguf_file, "sha256": entry.sha256}, indent=2)
         )
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     if not keep_gguf:
         gguf_path.unlink(missing_ok=True)
     _say(progress, f"{name}: ready at {out}")

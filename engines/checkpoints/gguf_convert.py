@@ -62,6 +62,12 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str:
     return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
 
 
+def stored_norm_offset(arch: str, hf_tensor_name: str) -> float:
+    """What llama.cpp added to a norm weight it stored: Gemma's norms scale by (1 + w) and its GGUF holds
+    1 + w, so the conversion takes 1 back off (as transformers' reader does); 0 for every other tensor."""
+    return 1.0 if arch == "gemma3" and hf_tensor_name.endswith("norm.weight") else 0.0
+
+
 def unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's q/k row interleaving for Llama (its converter permutes for GPT-J-style RoPE)."""
     half = w.shape[0] // n_head // 2
@@ -94,8 +100,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, dtype: torch.dtype = torch.b
             w = unpermute_rope(w, n_head)
         elif arch == "llama" and ".attn_k." in t.name:
             w = unpermute_rope(w, n_kv)
-        elif arch == "gemma3" and name.endswith("norm.weight"):
-            w = w - 1.0
+        elif offset := stored_norm_offset(arch, name):
+            w = w - offset
         tensors[name] = torch.tensor(w, dtype=dtype)  # copies: F32 tensors are read-only views of the file
     tied = "lm_head.weight" not in tensors
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
@@ -142,8 +148,7 @@ def gguf_model_dir(home: Path, gguf_path: Path) -> Path:
 def ensure_gguf_dir(gguf_path: Path, home: Path, *, progress: bool = True) -> Path:
     """The converted directory of a GGUF file, converting it the first time (into a staging directory that
     is renamed when complete, so an interrupted conversion is redone)."""
-    import shutil
-    import tempfile
+    from engines.checkpoints.staging import staged_dir
 
     gguf_path = Path(gguf_path).expanduser()
     if not gguf_path.is_file():
@@ -151,14 +156,7 @@ def ensure_gguf_dir(gguf_path: Path, home: Path, *, progress: bool = True) -> Pa
     out = gguf_model_dir(home, gguf_path)
     if (out / GGUF_MARKER).is_file():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
+    with staged_dir(out) as staging:
         convert_gguf(gguf_path, staging, progress=progress)
         (staging / GGUF_MARKER).write_text(json.dumps({"gguf": str(gguf_path.resolve())}) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return out

@@ -13,8 +13,6 @@ a third fewer bytes per step than int8. A tied embedding shares the head's codes
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +29,7 @@ from engines.checkpoints.quant_state import (
     quantized_state,
     save_state,
 )
+from engines.checkpoints.staging import staged_dir
 from engines.kernels.quantize import QuantizedWeight, can_int4, concat_rows, outlier_channels, quantize_int8
 from engines.models.config import ModelConfig, UnsupportedModelError
 from engines.tokenizer import Tokenizer
@@ -43,7 +42,7 @@ def state_from_gguf(gguf_path: Path, cfg: ModelConfig, fmt: str, *, progress: bo
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    from engines.checkpoints.gguf_convert import hf_name, unpermute_rope
+    from engines.checkpoints.gguf_convert import hf_name, stored_norm_offset, unpermute_rope
     from engines.checkpoints.gguf_quant import FOUR_BIT, target_format, to_quantized
 
     reader = GGUFReader(gguf_path)
@@ -72,8 +71,8 @@ def state_from_gguf(gguf_path: Path, cfg: ModelConfig, fmt: str, *, progress: bo
             value = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape))
             if perm is not None:
                 value = value[perm]
-            if arch == "gemma3" and ours.endswith("norm.weight"):
-                value = value - 1.0  # llama.cpp stores Gemma's norms as 1 + w (`gguf_convert`)
+            if offset := stored_norm_offset(arch, ours):
+                value = value - offset
             if ours.endswith(".bias"):
                 biases.setdefault(ours, {})[shard] = value
             else:
@@ -118,9 +117,7 @@ def quantize_checkpoint(src: Path, out_dir: Path, fmt: str, *, gguf: Path | None
     if is_quantized_dir(src):
         raise UnsupportedModelError(f"{src} is already quantized")
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
-    try:
+    with staged_dir(out_dir) as staging:
         if gguf is not None:
             state = state_from_gguf(gguf, ModelConfig.from_dir(src), fmt, progress=progress)
             calibrate_int8(state, src)
@@ -130,11 +127,6 @@ def quantize_checkpoint(src: Path, out_dir: Path, fmt: str, *, gguf: Path | None
             state = quantized_state(model, fmt, calibration_ids(Tokenizer(src)))
             source = f"hf:{Path(src).name}"
         save_state(state, staging, fmt=fmt, source=source, copy_from=src)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        staging.rename(out_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return out_dir
 
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.model_checks import logits_in_pieces
 from engines.checkpoints.loader import load_model
 from engines.engine import Engine, EngineConfig
 from engines.kernels import cpu_attention, cpu_ops
-from engines.kernels.metadata import AttentionMetadata
 from engines.kernels.reference import TorchPagedAttention
 from engines.kv.cache import PagedKVCache
 from engines.model_runner import Chunk, ModelRunner
@@ -54,18 +54,10 @@ def new_cache(model: LlamaForCausalLM, blocks: int) -> PagedKVCache:
 
 
 def pieces(model: LlamaForCausalLM, ids: torch.Tensor, native: bool) -> torch.Tensor:
-    """Every position's logits: a prefill of 17, a chunk of 12 over those cached blocks, then decodes,
-    the sequence's blocks scattered over the pool."""
-    needed = -(-len(ids) // BLOCK)
-    cache = new_cache(model, needed + 3)
-    table = torch.randperm(needed + 3, generator=torch.Generator().manual_seed(0))[:needed].tolist()
-    backend = cpu_attention.NativePagedAttention(cache) if native else TorchPagedAttention(cache)
-    out, start = [], 0
-    for end in [17, 29, *range(30, len(ids) + 1)]:
-        meta = AttentionMetadata.build(BLOCK, [table], [start], [end - start])
-        out.append(model.compute_logits(model(ids[start:end], torch.arange(start, end), backend, meta)))
-        start = end
-    return torch.cat(out)
+    """Every position's logits: a prefill of 17, a chunk of 12 over those cached blocks, then decodes, on
+    our CPU library's attention or the torch reference."""
+    backend = cpu_attention.NativePagedAttention if native else TorchPagedAttention
+    return logits_in_pieces(model, ids, [17, 29], BLOCK, backend)
 
 
 IDS = torch.randint(1, 320, (40,), generator=torch.Generator().manual_seed(1))
