@@ -58,6 +58,10 @@ class Router:
     embedder: Embedder = field(default_factory=RouterEncoder)
     hidden_classifier: object | None = None
     cheaper: dict[str, tuple[object, object | None]] = field(default_factory=dict)
+    # `threshold_for_floor` by ratio: a tenant's floor is asked on every routed request, the curve is fixed
+    _floors: dict[float, tuple[float, float] | None] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     @property
     def hidden_spec(self) -> HiddenSpec | None:
@@ -94,13 +98,17 @@ class Router:
         tier's. None for a router trained before the curve was kept."""
         from router_model.calibrate import threshold_for_quality_floor
 
+        if ratio in self._floors:
+            return self._floors[ratio]
         curve = self.metadata.get("heldout_curve")
-        if not curve or not curve.get("p"):
-            return None
-        p = np.asarray(curve["p"], float)
-        large_ok = np.asarray(curve["large_ok"], bool)
-        threshold = threshold_for_quality_floor(p, curve["small_ok"], large_ok, ratio * float(large_ok.mean()))
-        return threshold, float(np.mean(p < threshold))
+        found = None
+        if curve and curve.get("p"):
+            p = np.asarray(curve["p"], float)
+            large_ok = np.asarray(curve["large_ok"], bool)
+            threshold = threshold_for_quality_floor(p, curve["small_ok"], large_ok, ratio * float(large_ok.mean()))
+            found = threshold, float(np.mean(p < threshold))
+        self._floors[ratio] = found
+        return found
 
     def threshold_for(self, tenant: str | None = None) -> float:
         """The tenant's calibrated threshold where there is one, else the global one."""
