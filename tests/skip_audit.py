@@ -16,9 +16,9 @@ import pytest
 
 # How a skip's reason starts for it to be allowed: hardware a CI machine may lack. The reason every GPU-only
 # skip gives (tests/test_gpu.py's `cuda` marker, the Triton kernel tests' bf16 cases: tests/triton_support.py),
-# and the AVX-512 VNNI build's tests on an AVX2-only CPU (Zen 3; tests/engines/kernels/test_cpu_dispatch.py),
-# where the AVX2 build they are compared with still runs every test.
-ALLOWED = ("needs a CUDA device", "this CPU has no AVX-512 VNNI")
+# and the AVX-512 VNNI and AMX builds' tests on a CPU without those (Zen 3; AMD and older Intel for AMX;
+# tests/engines/kernels/test_cpu_dispatch.py), where the builds they are compared with still run every test.
+ALLOWED = ("needs a CUDA device", "this CPU has no AVX-512 VNNI", "this CPU has no AMX")
 
 OPTION = "--only-gpu-skips"
 

@@ -2,11 +2,12 @@
 (`quant_gemm.cpp`, wrapped here) and fused decoder ops (`cpu_ops.cpp`, wrapped in `engines.kernels.cpu_ops`),
 built on first use with the system's C++ compiler and loaded with ctypes.
 
-Two builds of the same sources, picked once at load from the CPU's flags: `avx2` (vpmaddubsw +
-vpmaddwd for the integer dot products) and `avx512-vnni` (one vpdpbusd for the same sum of four byte
-products: the int32 results are identical, since neither path can saturate with our activation codes).
-`SWITCHBOARD_CPU_KERNELS=avx2` forces the AVX2 build on an AVX-512 machine (tests run both); `variant()`
-names the one in use.
+Three builds of the same sources, picked once at load from the CPU's flags, the widest first: `amx`
+(the VNNI build plus the int8 GEMM on AMX tiles from 4 activation rows, `csrc/amx_int8.h`),
+`avx512-vnni` (one vpdpbusd per sum of four byte products) and `avx2` (vpmaddubsw + vpmaddwd for the
+same sums). Every int32 sum is exact in each, so every build computes the same bits.
+`SWITCHBOARD_CPU_KERNELS=avx2` (or `avx512-vnni`) forces a narrower build on a wider machine (tests run
+each); `variant()` names the one in use.
 
 Why our own: torch's int4 kernel dequantizes to float and is compute-bound (14 G weights/s on two AVX2
 cores, 35 on AVX-512), its weight-only int8 kernel streams ~18 GB/s, and fbgemm's int8 GEMM saturates
@@ -39,6 +40,8 @@ from engines.kernels.quantize import QuantizedWeight, unpack_int4
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("quant_gemm.cpp", "cpu_ops.cpp", "decoder.cpp")]
+# Included by quant_gemm.cpp: part of the build's digest.
+HEADERS = [Path(__file__).parent / "csrc" / name for name in ("int4_slabs.h", "amx_int8.h", "amx_int4.h")]
 # -ffp-contract=off: no fused multiply-adds but the ones written out, so elementwise ops round as torch's do.
 FLAGS = [
     "-ffp-contract=off",
@@ -55,11 +58,15 @@ VARIANTS: dict[str, list[str]] = {
     "avx2": [],
     # 256-bit vpdpbusd needs VNNI and VL; BW for the byte ops the compiler may pick at 512 bits.
     "avx512-vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],
+    "amx": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mamx-tile", "-mamx-int8"],
 }
+NARROWER = {"amx": "avx512-vnni", "avx512-vnni": "avx2"}  # where a build fails or the CPU lacks its flags
 CPU_FLAGS_FOR = {
     "avx2": {"avx2", "fma", "f16c"},
     "avx512-vnni": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"},
+    "amx": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "amx_tile", "amx_int8"},
 }
+NAMES = {1: "avx2", 2: "avx512-vnni", 3: "amx"}  # sb_variant()'s numbers
 GROUP = 32
 # int8 weights: activations share a scale per 256 inputs, so the integer dot product runs 8 groups
 # between float steps (with 7-bit activations, as fast as fbgemm's int8 GEMM at 16 rows; see
@@ -93,20 +100,20 @@ def supported(variant: str) -> bool:
 
 
 def chosen_variant() -> str:
-    """`SWITCHBOARD_CPU_KERNELS` (auto, avx2 or avx512-vnni); auto: the widest build this CPU runs."""
+    """`SWITCHBOARD_CPU_KERNELS` (auto, avx2, avx512-vnni or amx); auto: the widest build this CPU runs."""
     wanted = os.environ.get("SWITCHBOARD_CPU_KERNELS", "auto")
     if wanted != "auto":
         if wanted not in VARIANTS:
             raise ValueError(f"SWITCHBOARD_CPU_KERNELS={wanted!r}: one of auto, {', '.join(VARIANTS)}")
         return wanted
-    return "avx512-vnni" if supported("avx512-vnni") else "avx2"
+    return next(v for v in ("amx", "avx512-vnni", "avx2") if v == "avx2" or supported(v))
 
 
 def _build(cxx: str, variant: str = "avx2") -> Path:
     flags = [*FLAGS, *VARIANTS[variant]]
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
     digest = hashlib.sha256(" ".join([*flags, version]).encode())
-    for source in SOURCES:
+    for source in [*SOURCES, *HEADERS]:
         digest.update(source.read_bytes())
     home = Path(os.environ.get("SWITCHBOARD_HOME", "~/.cache/switchboard")).expanduser()
     target = home / "kernels" / f"switchboard-cpu-{variant}-{digest.hexdigest()[:16]}.so"
@@ -126,9 +133,13 @@ def library() -> ctypes.CDLL | None:
 
 
 def variant() -> str | None:
-    """The build the kernels run (`avx2` or `avx512-vnni`); None where the native kernels are off."""
+    """The build the kernels run (`avx2`, `avx512-vnni` or `amx`); None where the native kernels are off.
+    The AMX build where Linux refused it the tiles runs its VNNI loops, and says `avx512-vnni`."""
     lib = library()
-    return None if lib is None else {1: "avx2", 2: "avx512-vnni"}[lib.sb_variant()]
+    if lib is None:
+        return None
+    name = NAMES[lib.sb_variant()]
+    return "avx512-vnni" if name == "amx" and not lib.sb_amx() else name
 
 
 @functools.cache
@@ -139,19 +150,25 @@ def build_of(variant: str) -> ctypes.CDLL | None:
     if not _cpu_has_avx2():
         log.info("native kernels off: the CPU has no AVX2")
         return None
-    if not supported(variant) and cpu_flags():
-        log.warning("native kernels: this CPU cannot run the %s build; using avx2", variant)
-        variant = "avx2"
+    while not supported(variant) and cpu_flags() and variant in NARROWER:
+        log.warning("native kernels: this CPU cannot run the %s build; using %s", variant, NARROWER[variant])
+        variant = NARROWER[variant]
     cxx = _compiler()
     if cxx is None:
         log.warning("native kernels off: no C++ compiler (g++) found; using torch's slower quantized kernels")
         return None
-    try:
-        path = _build(cxx, variant)
-    except (OSError, subprocess.CalledProcessError) as e:
-        detail = getattr(e, "stderr", "") or str(e)
-        log.warning("native kernels off: building them failed: %s", detail.strip()[-2000:])
-        return None
+    while True:
+        try:
+            path = _build(cxx, variant)
+            break
+        except (OSError, subprocess.CalledProcessError) as e:
+            detail = (getattr(e, "stderr", "") or str(e)).strip()[-2000:]
+            if variant not in NARROWER:
+                log.warning("native kernels off: building them failed: %s", detail)
+                return None
+            # An older compiler without -mamx-*: the narrower build still runs everything.
+            log.warning("native kernels: the %s build failed (%s); using %s", variant, detail, NARROWER[variant])
+            variant = NARROWER[variant]
     lib = ctypes.CDLL(str(path))
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.sb_int4_linear.argtypes = [p, i, i, i, i, p, p, p, i]
@@ -160,6 +177,7 @@ def build_of(variant: str) -> ctypes.CDLL | None:
     for f in (lib.sb_int4_linear, lib.sb_int8_linear, lib.sb_quantize_acts):
         f.restype = None
     lib.sb_variant.restype = ctypes.c_int
+    lib.sb_amx.restype = ctypes.c_int
     lib.sb_int4_bytes.argtypes = [i, i]
     lib.sb_int4_bytes.restype = ctypes.c_size_t
     f, long = ctypes.c_float, ctypes.c_long
@@ -189,17 +207,19 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return x.contiguous(), int(x.dtype == torch.bfloat16)
 
 
-ROWS = 4  # output rows per block in the kernels' layouts
-
-
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1) + (0, rows - t.shape[0])) if rows > t.shape[0] else t
 
 
+SLAB = 16  # weight rows per slab in the kernels' layouts (int4 and int8)
+SLAB4_BYTES = 320  # int4, per slab and group of 32: 16 fp16 scales, 16 fp16 mins, 256 bytes of nibbles
+
+
 class Int4Weights:
-    """An int4 weight in the kernel's layout (see quant_gemm.cpp): blocks of 4 rows, each one run of
-    chunks of up to 8 groups: per row, 8 fp16 scales, 8 fp16 mins (w = q·scale + min), then the codes,
-    two groups per 32 bytes (low nibbles the first group)."""
+    """An int4 weight in the kernel's layout (see int4_slabs.h): slabs of 16 rows, each a run of its groups of
+    32 inputs; per group, the 16 rows' fp16 scales, fp16 mins (w = q·scale + min), then 256 bytes whose low
+    nibbles are the group's codes in the int8 slab layout (per quad of inputs, the 16 rows' 4 codes) for its
+    first 4 quads and whose high nibbles are the last 4."""
 
     def __init__(self, qw: QuantizedWeight) -> None:
         n, k = qw.shape
@@ -207,26 +227,17 @@ class Int4Weights:
             raise ValueError(f"the native int4 kernel takes groups of {GROUP}, got {qw.format}/{qw.group_size}")
         assert qw.zeros is not None
         groups = k // GROUP
-        chunks = -(-groups // 8)
-        rows = -(-n // ROWS) * ROWS
-        codes = _pad_rows(unpack_int4(qw.q).to(torch.uint8), rows).view(rows, groups, GROUP)
-        codes = torch.nn.functional.pad(codes, (0, 0, 0, chunks * 8 - groups))  # zero codes for padded groups
-        pairs = codes.view(rows, chunks, 4, 2, GROUP)
-        packed = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).view(rows, chunks, 4 * GROUP)
+        rows = -(-n // SLAB) * SLAB
+        slabs = rows // SLAB
+        codes = _pad_rows(unpack_int4(qw.q).to(torch.uint8), rows)  # (rows, k)
+        # (slabs, 16 rows, groups, 8 quads, 4) -> (slabs, groups, 8 quads, 16 rows, 4): the int8 slab order
+        unpacked = codes.view(slabs, SLAB, groups, 8, 4).permute(0, 2, 3, 1, 4).reshape(slabs, groups, 512)
+        nibbles = unpacked[..., :256] | (unpacked[..., 256:] << 4)
         scales = qw.scales.float()
-        # (q - 8)·scale + zero = q·scale + (zero - 8·scale)
-        mins = qw.zeros.float() - 8 * scales
-        head = torch.stack([_pad_rows(t, rows) for t in (scales, mins)], dim=1)  # (rows, 2, groups)
-        head = torch.nn.functional.pad(head, (0, chunks * 8 - groups)).to(torch.float16)
-        head = head.view(rows, 2, chunks, 8).permute(0, 2, 1, 3).contiguous().view(torch.uint8)  # (rows, chunks, 32)
-        full = torch.cat((head.view(rows, chunks, 32), packed), dim=2)  # (rows, chunks, 160)
-        full = full.view(rows // ROWS, ROWS, chunks, 160).transpose(1, 2)  # (blocks, chunks, 4 rows, 160)
-        rest = groups - 8 * (chunks - 1)
-        if rest == 8:
-            blob = full.reshape(rows // ROWS, -1)
-        else:  # the last chunk keeps only the pairs it needs
-            last = full[:, -1, :, : 32 + 32 * -(-rest // 2)]
-            blob = torch.cat((full[:, :-1].reshape(rows // ROWS, -1), last.reshape(rows // ROWS, -1)), dim=1)
+        mins = qw.zeros.float() - 8 * scales  # (q - 8)·scale + zero = q·scale + (zero - 8·scale)
+        head = torch.stack([_pad_rows(t, rows) for t in (scales, mins)], dim=1).to(torch.float16)  # (rows, 2, groups)
+        head = head.view(slabs, SLAB, 2, groups).permute(0, 3, 2, 1).contiguous().view(torch.uint8)
+        blob = torch.cat((head.view(slabs, groups, 64), nibbles), dim=2)  # (slabs, groups, 320)
         self.packed = blob.contiguous().view(-1)
         lib = library()
         assert lib is None or self.packed.numel() == lib.sb_int4_bytes(n, k), "layout size disagrees with the kernel"
@@ -235,9 +246,6 @@ class Int4Weights:
     @property
     def nbytes(self) -> int:
         return self.packed.numel()
-
-
-SLAB = 16  # int8 weight rows per slab in the kernels' layout
 
 
 class Int8Weights:

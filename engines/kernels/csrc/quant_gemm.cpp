@@ -1,19 +1,17 @@
-// int4 and int8 weight GEMMs for x86 CPUs with AVX2 (and AVX-512 VNNI: see SB_VARIANT): weights stay
+// int4 and int8 weight GEMMs for x86 CPUs with AVX2 (AVX-512 VNNI, AMX: see SB_VARIANT): weights stay
 // packed, activations are quantized on the fly (8 bits per 32 inputs for int4 weights, as llama.cpp's
 // Q8_0; 7 bits per 256 for int8 weights, see int8_tile), and dot products run on vpmaddubsw or vpdpbusd.
 //
 // Why: decode reads every weight once per step; torch's int4 kernel dequantizes to float and is
 // compute-bound (~14 G weights/s on 2 AVX2 cores), while an integer dot product keeps pace with memory.
 //
-// Layouts (engines/cpu_kernels.py packs them). Output rows come in blocks of 4 (int4) or slabs of 16
-// (int8), N padded with zero rows, and each is one contiguous run of bytes read front to back, so a
-// thread streams its share of the weight sequentially and a software prefetch a few KB ahead keeps
-// memory busy.
-//   int4: a block is a run of chunks of up to 8 groups of 32 inputs; per chunk, for each of the 4 rows:
-//         8 fp16 scales, 8 fp16 mins (zero past the last group), then one 32-byte pair per two groups:
-//         byte i = code[i] of the first group | code[i] of the second << 4. w = code · scale + min.
+// Layouts (engines/cpu_kernels.py packs them). Output rows come in slabs of 16, N padded with zero
+// rows, and each slab is one contiguous run of bytes read front to back, so a thread streams its share
+// of the weight sequentially and a software prefetch a few KB ahead keeps memory busy.
+//   int4: per group of 32 inputs, 16 fp16 scales, 16 fp16 mins and 256 bytes of nibbles (int4_slabs.h).
 //   int8: a slab is, per 4 inputs, the 16 rows' 4 codes each (64 bytes); one fp32 scale per row, and
 //         per row and activation group −64 × its codes' sum (the activations' offset, see int8_tile).
+// The AMX build multiplies the same layouts on tiles from a few rows up (amx_int8.h, amx_int4.h).
 // Activations: bf16 or fp32 rows (M, K), K a multiple of 32; out (M, N) bf16 or fp32; optional fp32
 // bias. Each output row is computed the same way whatever M is, so results do not depend on the batch.
 #include <immintrin.h>
@@ -31,9 +29,7 @@
 
 namespace {
 
-constexpr int G = 32;    // values per weight group, and per activation group against int4 weights
-constexpr int ROWS = 4;  // output rows per block: the activations are loaded once for all four
-constexpr int MT = 4;    // activation rows per block call
+constexpr int G = 32;  // values per weight group, and per activation group against int4 weights
 
 inline float bf16_to_f32(uint16_t h) {
     uint32_t u = static_cast<uint32_t>(h) << 16;
@@ -73,9 +69,15 @@ inline __m256i sum_pairs(__m256i p16) { return _mm256_madd_epi16(p16, _mm256_set
 // AVX2 in vpmaddubsw (pairs into int16) + vpmaddwd. The same int32s: our codes never saturate the int16
 // pairs (int4: 15·127·2; int8: 127·127·2 < 32,767, see int8_tile).
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define SB_ZMM 1  // the 512-bit int8 loops (VNNI and AMX builds)
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#define SB_VARIANT 3  // VNNI's code plus AMX tiles for multi-row int8 calls (amx_int8.h)
+#else
 #define SB_VARIANT 2
+#endif
 inline __m256i dot_add(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
 #else
+#define SB_ZMM 0
 #define SB_VARIANT 1
 inline __m256i dot_add(__m256i acc, __m256i u, __m256i s) {
     return _mm256_add_epi32(acc, sum_pairs(_mm256_maddubs_epi16(u, s)));
@@ -103,10 +105,12 @@ struct Acts {
     int side_stride = 0;  // n_out padded to a multiple of 8
 
     int offset = 0;  // 64: codes are 7-bit, stored as code + 64 (unsigned; see int8_tile)
+    float top = 127.0f;  // the largest code: 63 for 7-bit codes (int8 weights), 127 for 8-bit
 
+    // `seven_bit`: 7-bit codes without the offset (the AMX path multiplies signed bytes; amx_int8.h).
     Acts(const void* x, int bf16, int M, int K_, int ag_, int offset_ = 0, const int32_t* out_idx = nullptr,
-         int n_out_ = 0)
-        : K(K_), ag(ag_), n_out(n_out_), offset(offset_) {
+         int n_out_ = 0, bool seven_bit = false)
+        : K(K_), ag(ag_), n_out(n_out_), offset(offset_), top(offset_ || seven_bit ? 63.0f : 127.0f) {
         const int groups = (K + ag - 1) / ag;
         stride = (groups + 7) / 8 * 8;
         q = static_cast<int8_t*>(aligned_alloc(64, (static_cast<size_t>(M) * K + 63) / 64 * 64));
@@ -162,7 +166,6 @@ struct Acts {
             m = _mm_max_ps(m, _mm_movehl_ps(m, m));
             m = _mm_max_ss(m, _mm_movehdup_ps(m));
             const float mx = _mm_cvtss_f32(m);
-            const float top = offset ? 63.0f : 127.0f;
             dr[g] = mx / top;
             const __m256 inv = _mm256_set1_ps(mx > 0.0f ? top / mx : 0.0f);
             const __m256i shift = _mm256_set1_epi32(offset);
@@ -192,55 +195,6 @@ inline void store(void* out, int out_bf16, size_t i, float v) {
         static_cast<float*>(out)[i] = v;
 }
 
-size_t int4_block_bytes(int groups) {
-    const int full = groups / 8, rest = groups % 8;
-    return static_cast<size_t>(ROWS) * (full * 160 + (rest ? 32 + 32 * ((rest + 1) / 2) : 0));
-}
-
-// One block of 4 int4 rows against one activation row.
-void int4_block(const uint8_t* blk, int groups, const Acts& a, int m, float out[ROWS]) {
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
-    const int8_t* xq = a.q + static_cast<size_t>(m) * a.K;
-    const float* xd = a.d + static_cast<size_t>(m) * a.stride;
-    const float* xs = a.s + static_cast<size_t>(m) * a.stride;
-    __m256 acc[ROWS];
-    for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
-    for (int g0 = 0; g0 < groups; g0 += 8) {
-        const int pairs = (groups - g0 >= 8) ? 4 : (groups - g0 + 1) / 2;
-        const int row_bytes = 32 + 32 * pairs;
-        const __m256 dv = _mm256_load_ps(xd + g0);
-        const __m256 sv = _mm256_load_ps(xs + g0);
-        for (int r = 0; r < ROWS; ++r) {
-            const uint8_t* hdr = blk + r * row_bytes;
-            _mm_prefetch(reinterpret_cast<const char*>(hdr) + SB_PREFETCH, _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(hdr) + SB_PREFETCH + 64, _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(hdr) + SB_PREFETCH + 128, _MM_HINT_T0);
-            const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hdr)));
-            const __m256 mins = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hdr + 16)));
-            const __m256 f = _mm256_mul_ps(s, dv);  // code scale × activation scale, per group
-            __m256 acc_r = _mm256_fmadd_ps(mins, sv, acc[r]);  // lanes are summed at the end
-#pragma GCC unroll 4
-            for (int j = 0; j < pairs; ++j) {
-                const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hdr + 32 + 32 * j));
-                const int8_t* x = xq + static_cast<size_t>(g0 + 2 * j) * G;
-                const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-                const __m256i lo = _mm256_and_si256(wv, low4);
-                const __m256i p0 = dot_add(_mm256_setzero_si256(), lo, x0);
-                acc_r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), lane(f, 2 * j), acc_r);
-                if (g0 + 2 * j + 1 < groups) {  // else the pair's second half is padding
-                    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + G));
-                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), low4);
-                    const __m256i p1 = dot_add(_mm256_setzero_si256(), hi, x1);
-                    acc_r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), lane(f, 2 * j + 1), acc_r);
-                }
-            }
-            acc[r] = acc_r;
-        }
-        blk += ROWS * row_bytes;
-    }
-    for (int r = 0; r < ROWS; ++r) out[r] = hsum(acc[r]);
-}
-
 // ---- int8 weights ----
 // Layout: weight rows in slabs of 16 (N padded with zero rows); a slab is, per 4 consecutive inputs
 // (a quad), the 16 rows' 4 codes each: 64 bytes, one zmm (AVX2: two ymm). An activation quad is
@@ -266,7 +220,7 @@ inline int32_t load4(const int8_t* p) {
     return v;
 }
 
-#if SB_VARIANT == 2
+#if SB_ZMM
 using VI = __m512i;
 constexpr int VR = 16;   // weight rows per vector
 constexpr int MR = 6;    // activation rows per register tile: 6 × 4 zmm accumulators
@@ -387,7 +341,7 @@ template <int ns>
 void int8_rows(const Int8Args& p, const Acts& a, int s0, int m0, int mr, int g, int k0, int end, float* res, int ld,
                bool stream) {
     switch (mr) {
-#if SB_VARIANT == 2
+#if SB_ZMM
         case 6: return int8_group<6, ns>(p, a, s0, m0, g, k0, end, res, ld, stream);
         case 5: return int8_group<5, ns>(p, a, s0, m0, g, k0, end, res, ld, stream);
         case 4: return int8_group<4, ns>(p, a, s0, m0, g, k0, end, res, ld, stream);
@@ -408,7 +362,7 @@ void int8_unit(const Int8Args& p, const Acts& a, int M, int s0, int ns, float* r
         for (int m0 = 0; m0 < M; m0 += MR) {
             const int mr = std::min(MR, M - m0);
             switch (ns) {
-#if SB_VARIANT == 2
+#if SB_ZMM
                 case 4: int8_rows<4>(p, a, s0, m0, mr, g, k0, end, res, ld, m0 == 0); break;
                 case 3: int8_rows<3>(p, a, s0, m0, mr, g, k0, end, res, ld, m0 == 0); break;
 #endif
@@ -460,23 +414,12 @@ inline void emit(const float* res, int ld, int m0, int mb, int n0, int nr, int N
     }
 }
 
-// Blocks of rows split statically over the threads: each thread reads one contiguous part of the weight.
-// `block(b, m0, mb, res)` computes rows m0 .. m0+mb-1 (mb ≤ MT) of one 4-row block.
-template <typename Block>
-void gemm(int M, int N, const float* bias, void* out, int out_bf16, Block block) {
-    const int blocks = (N + ROWS - 1) / ROWS;
-#pragma omp parallel for schedule(static)
-    for (int b = 0; b < blocks; ++b) {
-        const int n0 = b * ROWS;
-        const int nr = N - n0 < ROWS ? N - n0 : ROWS;
-        for (int m0 = 0; m0 < M; m0 += MT) {  // the block (a few KB) stays in L1/L2 across m
-            const int mb = M - m0 < MT ? M - m0 : MT;
-            float res[MT][ROWS];
-            block(b, m0, mb, res);
-            emit(&res[0][0], ROWS, m0, mb, n0, nr, N, nullptr, bias, out, out_bf16);
-        }
-    }
-}
+#include "int4_slabs.h"
+
+#if SB_VARIANT == 3
+#include "amx_int8.h"
+#include "amx_int4.h"
+#endif
 
 }  // namespace
 
@@ -484,19 +427,20 @@ extern "C" {
 
 int sb_version() { return 5; }
 
-int sb_variant() { return SB_VARIANT; }  // 1: avx2, 2: avx512-vnni
+int sb_variant() { return SB_VARIANT; }  // 1: avx2, 2: avx512-vnni, 3: amx
 
-size_t sb_int4_bytes(int N, int K) { return static_cast<size_t>((N + ROWS - 1) / ROWS) * int4_block_bytes(K / G); }
+size_t sb_int4_bytes(int N, int K) {
+    return static_cast<size_t>((N + SLAB - 1) / SLAB) * (K / G) * SLAB4_BYTES;
+}
 
-// out (M, N) = x (M, K) · wᵀ for an int4 weight in the layout above.
+// out (M, N) = x (M, K) · wᵀ for an int4 weight in the slab layout (int4_slabs.h).
 void sb_int4_linear(const void* x, int x_bf16, int M, int K, int N, const uint8_t* w, const float* bias, void* out,
                     int out_bf16) {
     const Acts a(x, x_bf16, M, K, G);
-    const int groups = K / G;
-    const size_t bytes = int4_block_bytes(groups);
-    gemm(M, N, bias, out, out_bf16, [&](int b, int m0, int mb, float res[MT][ROWS]) {
-        for (int m = 0; m < mb; ++m) int4_block(w + b * bytes, groups, a, m0 + m, res[m]);
-    });
+#if SB_VARIANT == 3
+    if (M >= AMX_INT4_MIN_ROWS && amx_permitted()) return int4_linear_amx(a, M, N, w, bias, out, out_bf16);
+#endif
+    int4_linear_vec(a, M, N, w, bias, out, out_bf16);
 }
 
 // out (M, N) = x (M, K) · (w · scale)ᵀ for an int8 weight in the slab layout (scales padded to 16 rows),
@@ -507,6 +451,11 @@ void sb_int4_linear(const void* x, int x_bf16, int M, int K, int N, const uint8_
 void sb_int8_linear(const void* x, int x_bf16, int M, int K, int N, const int8_t* w, const float* scales,
                     const int32_t* neg_off, int act_group, const int32_t* out_idx, int n_out,
                     const int8_t* outlier_w, const float* bias, void* out, int out_bf16) {
+#if SB_VARIANT == 3
+    if (M >= AMX_MIN_ROWS && amx_permitted())
+        return int8_linear_amx(x, x_bf16, M, K, N, w, scales, act_group, out_idx, n_out, outlier_w, bias, out,
+                               out_bf16);
+#endif
     const Acts a(x, x_bf16, M, K, act_group, 64, out_idx, n_out);
     const Int8Args p{w, neg_off, outlier_w, (K + act_group - 1) / act_group, (N + SLAB - 1) / SLAB * SLAB};
     const int slabs = (N + SLAB - 1) / SLAB, units = (slabs + NS - 1) / NS;
@@ -521,6 +470,15 @@ void sb_int8_linear(const void* x, int x_bf16, int M, int K, int N, const int8_t
             emit(res.data(), NS * SLAB, 0, M, n0, nr, N, scales, bias, out, out_bf16);
         }
     }
+}
+
+// Whether the int8 and int4 GEMMs run on AMX tiles from AMX_MIN_ROWS rows (the AMX build, where Linux grants the tiles).
+int sb_amx() {
+#if SB_VARIANT == 3
+    return amx_permitted();
+#else
+    return 0;
+#endif
 }
 
 // The activation quantization alone, for tests: q (M, K) int8, d and s (M, ceil(K/act_group)) fp32.

@@ -1,5 +1,6 @@
-"""The native CPU kernels come in one build per instruction set (AVX2; AVX-512 VNNI), picked once from the
-CPU's flags or forced by `SWITCHBOARD_CPU_KERNELS`; every build computes the same numbers."""
+"""The native CPU kernels come in one build per instruction set (AVX2; AVX-512 VNNI; AMX, which is VNNI's plus
+the int8 GEMM on tiles from 4 rows), picked once from the CPU's flags or forced by `SWITCHBOARD_CPU_KERNELS`;
+every build computes the same numbers."""
 
 from __future__ import annotations
 
@@ -14,11 +15,14 @@ from tiny import tiny_hf_model
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the native kernels are off on this machine")
 VNNI = pytest.mark.skipif(not cpu_kernels.supported("avx512-vnni"), reason="this CPU has no AVX-512 VNNI")
+AMX = pytest.mark.skipif(not cpu_kernels.supported("amx"), reason="this CPU has no AMX (amx_tile, amx_int8)")
 
 
 def test_the_build_follows_the_cpu_unless_forced(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SWITCHBOARD_CPU_KERNELS", raising=False)
-    widest = "avx512-vnni" if {"avx512_vnni", "avx512vl", "avx512bw"} <= cpu_kernels.cpu_flags() else "avx2"
+    flags = cpu_kernels.cpu_flags()
+    widest = "avx512-vnni" if {"avx512_vnni", "avx512vl", "avx512bw"} <= flags else "avx2"
+    widest = "amx" if widest == "avx512-vnni" and {"amx_tile", "amx_int8"} <= flags else widest
     assert cpu_kernels.variant() == widest
     monkeypatch.setenv("SWITCHBOARD_CPU_KERNELS", "avx2")
     assert cpu_kernels.variant() == "avx2"
@@ -44,11 +48,11 @@ def test_every_build_computes_the_same_numbers(fmt: str, rows: int, monkeypatch:
     w = torch.randn(76, 544)  # 19 row blocks; K = 17 groups of 32 (ragged against int8's 256-input groups)
     x = torch.randn(rows, 544, dtype=torch.bfloat16)
     out = {}
-    for variant in cpu_kernels.VARIANTS:
+    for variant in [v for v in cpu_kernels.VARIANTS if cpu_kernels.supported(v)]:
         monkeypatch.setenv("SWITCHBOARD_CPU_KERNELS", variant)
         assert cpu_kernels.variant() == variant
         out[variant], dequantized = linear(fmt, x, w)
-    assert torch.equal(out["avx2"], out["avx512-vnni"])
+    assert all(torch.equal(out["avx2"], o) for o in out.values())
     reference = x.float() @ dequantized.T  # and both are the product, to the activations' quantization
     assert (out["avx2"].float() - reference).abs().max() < 0.03 * reference.abs().max()
 
@@ -118,3 +122,61 @@ def test_a_broken_int8_layout_fails_at_decode_and_prefill_sizes(rows: int) -> No
         broken.packed = broken.packed.view(n // 16, k // 4, 16, 4).flip(dim).contiguous().view(-1)
         out = cpu_kernels.int8_linear(x, broken, out_dtype=torch.float32)
         assert (out - reference).norm() > 0.5 * reference.norm()
+
+
+@AMX
+def test_the_amx_build_gets_the_tiles() -> None:
+    """Linux grants the tile state on request (once per process); without it the build would run its VNNI loops
+    and say so, so `amx` here means the tiles are in use."""
+    lib = cpu_kernels.build_of("amx")
+    assert lib is not None and cpu_kernels.NAMES[lib.sb_variant()] == "amx"
+    assert lib.sb_amx() == 1
+
+
+def test_a_build_the_cpu_cannot_run_falls_back_to_a_narrower_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forced `amx` on a CPU without AMX (or VNNI) loads the widest build the CPU runs, never an instruction
+    it lacks."""
+    flags = cpu_kernels.cpu_flags() - {"amx_tile", "amx_int8", "amx_bf16"}
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: flags)
+    cpu_kernels.build_of.cache_clear()
+    try:
+        lib = cpu_kernels.build_of("amx")
+        assert lib is not None
+        expected = "avx512-vnni" if cpu_kernels.CPU_FLAGS_FOR["avx512-vnni"] <= flags else "avx2"
+        assert cpu_kernels.NAMES[lib.sb_variant()] == expected
+        monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: flags - {"avx512_vnni"})
+        cpu_kernels.build_of.cache_clear()
+        assert cpu_kernels.NAMES[cpu_kernels.build_of("amx").sb_variant()] == "avx2"
+    finally:
+        cpu_kernels.build_of.cache_clear()
+
+
+@AMX
+@pytest.mark.parametrize("rows", [7, 8, 9, 16, 17, 33])  # below the tiles (int8: 8 rows, int4: 9), one tile, 2, 3
+@pytest.mark.parametrize(("n", "k", "group"), [(48, 1536, 256), (40, 544, 256), (16, 352, 96), (24, 8960, 256)])
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_amx_matches_the_vector_loops_to_the_bit(
+    fmt: str, rows: int, n: int, k: int, group: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tiles compute the vector loops' exact group sums. int8: 1536 inputs are 6 whole 256-input groups;
+    544 leaves a last group of 32 (half a tile step, zero-padded), 96-input groups are a step and a half each;
+    8960 inputs are the down projection's. N = 40 leaves a half-filled unit, N = 16 one slab, 24 a slab and a
+    half. int4 (groups of 32: one tile product each) on the same shapes."""
+    torch.manual_seed(rows * n + k)
+    w = torch.randn(n, k) * 0.05
+    if fmt == "int8":
+        qw = quantize_int8(w, outliers=torch.tensor([5, k - 3]))
+        weights: object = cpu_kernels.Int8Weights(qw, group)
+        kernel = cpu_kernels.int8_linear
+    else:
+        qw = quantize_int4(w)
+        weights, kernel = cpu_kernels.Int4Weights(qw), cpu_kernels.int4_linear
+    x = torch.randn(rows, k, dtype=torch.bfloat16) * 3
+    bias = torch.randn(n)
+    outs = {}
+    for variant in ("avx2", "avx512-vnni", "amx"):
+        monkeypatch.setenv("SWITCHBOARD_CPU_KERNELS", variant)
+        outs[variant] = kernel(x, weights, bias, out_dtype=torch.float32)
+    assert torch.equal(outs["amx"], outs["avx512-vnni"]) and torch.equal(outs["amx"], outs["avx2"])
+    reference = x.float() @ qw.dequantize().T + bias
+    assert (outs["amx"] - reference).norm() < 0.03 * reference.norm()
