@@ -113,8 +113,12 @@ def fill(dtype: torch.dtype, kv: torch.dtype | None, heads: int = 6, kv_heads: i
 
 @pytest.mark.parametrize("kv", [None, torch.int8])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_paged_attention_matches_plain_attention(dtype: torch.dtype, kv: torch.dtype | None) -> None:
-    cache, meta, (q, k, v), keys, values, rows = fill(dtype, kv)
+@pytest.mark.parametrize(("heads", "kv_heads"), [(6, 2), (12, 2), (4, 4)])  # query heads per KV head: 3, 6, 1
+def test_paged_attention_matches_plain_attention(
+    dtype: torch.dtype, kv: torch.dtype | None, heads: int, kv_heads: int
+) -> None:
+    """Groups of 1 and 6 query heads run the value sum's unrolled register loops, 3 the general one."""
+    cache, meta, (q, k, v), keys, values, rows = fill(dtype, kv, heads, kv_heads)
     out = NativePagedAttention(cache).forward(0, q, k, v, meta)
     if kv is not None:  # the reference sees the keys and values as the int8 cache holds them
         from engines.kv.cache import quantize
