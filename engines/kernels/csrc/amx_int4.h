@@ -7,22 +7,8 @@
 // make. The float steps after it are int4_slab's (fma with fp32(scale · d), then with min and d·Σc),
 // so every output is the vector builds' to the bit.
 //
-// Tiles: A 0, 1 (32 rows; 16 for a last block of ≤ 16), B 2, 3 (two slabs), C 4-7. Units of 2 slabs in
-// chunks whose packed weights stay in L2 while every row block passes, as for int8.
-
-void amx_configure_int4() {
-    struct alignas(64) {
-        uint8_t palette, start_row, reserved[14];
-        uint16_t colsb[16];
-        uint8_t rows[16];
-    } cfg{};
-    cfg.palette = 1;
-    for (int t = 0; t < 8; ++t) {
-        cfg.colsb[t] = t < 2 ? G : 64;  // A: 32 inputs per row; B: 16 columns × 4; C: 16 int32
-        cfg.rows[t] = t == 2 || t == 3 ? 8 : 16;  // B: 8 quads
-    }
-    _tile_loadconfig(&cfg);
-}
+// Tiles: A 0, 1 (32 rows; 16 for a last block of ≤ 16), B 2, 3 (two slabs), C 4-7, through amx_chunks
+// as for int8 (amx_configure(32, 8)); at ≤ 16 rows one slab at a time (amx4_slab16).
 
 // The group's codes of one slab, unpacked to the int8 slab layout (8 quads × 64 bytes).
 inline void unpack_group(const uint8_t* group, int8_t* dst) {
@@ -34,8 +20,10 @@ inline void unpack_group(const uint8_t* group, int8_t* dst) {
 }
 
 template <int ma>
-void amx4_rows(const Acts& a, const int8_t* xa, const uint8_t* w, int slabs, int s0, int cu, int M, int m0,
-               float* res, int ld, int32_t* scratch, bool stream) {
+void amx4_rows(const Acts& a, const AmxActs& x, const uint8_t* w, int slabs, int s0, int cu, int M, int m0,
+               float* res, int ld, int32_t* scratch) {
+    const int8_t* xa = x.q + static_cast<size_t>(m0) * x.stride;
+    const bool stream = m0 == 0;  // the first row block meets the weights in memory
     const int groups = a.K / G;
     const size_t slab_bytes = static_cast<size_t>(groups) * SLAB4_BYTES;
     const int rows = std::min(16 * ma, M - m0);
@@ -54,7 +42,7 @@ void amx4_rows(const Acts& a, const int8_t* xa, const uint8_t* w, int slabs, int
             unpack_group(p1, b[1]);
             _tile_loadd(2, b[0], 64);
             _tile_loadd(3, b[1], 64);
-            _tile_loadd(0, xa + static_cast<size_t>(g) * G, a.K);
+            _tile_loadd(0, xa + x.start[g], x.stride);
             _tile_zero(4);
             _tile_zero(5);
             _tile_dpbsud(4, 0, 2);
@@ -62,7 +50,7 @@ void amx4_rows(const Acts& a, const int8_t* xa, const uint8_t* w, int slabs, int
             _tile_stored(4, scratch, 64);
             _tile_stored(5, scratch + 256, 64);
             if constexpr (ma > 1) {
-                _tile_loadd(1, xa + 16 * static_cast<size_t>(a.K) + static_cast<size_t>(g) * G, a.K);
+                _tile_loadd(1, xa + 16 * static_cast<size_t>(x.stride) + x.start[g], x.stride);
                 _tile_zero(6);
                 _tile_zero(7);
                 _tile_dpbsud(6, 1, 2);
@@ -91,8 +79,7 @@ void amx4_rows(const Acts& a, const int8_t* xa, const uint8_t* w, int slabs, int
 // Up to 16 rows (decode batches) against one slab, all groups, the results in registers: one B tile per
 // group, and two C tiles taking turns, so one group's tile product runs while the one before it is
 // scaled into the results (with its results in memory and one C tile, the scaling was 2/3 of the time).
-void amx4_slab16(const Acts& a, const int8_t* xa, const uint8_t* slab, int M, float* res, int32_t* scratch,
-                 bool stream) {
+void amx4_slab16(const Acts& a, const AmxActs& x, const uint8_t* slab, int M, float* res, int32_t* scratch) {
     const int groups = a.K / G;
     const int last = M - 1;  // rows past M (zero tiles) read row M - 1's scales; they are never stored
     alignas(64) int8_t b[2][512];
@@ -110,10 +97,9 @@ void amx4_slab16(const Acts& a, const int8_t* xa, const uint8_t* slab, int M, fl
     for (int g = 0; g <= groups; ++g) {
         if (g < groups) {  // group g's product into C tile 4 + g % 2
             const uint8_t* p = slab + static_cast<size_t>(g) * SLAB4_BYTES;
-            if (stream)
-                for (int line = 0; line < SLAB4_BYTES; line += 64)
-                    _mm_prefetch(reinterpret_cast<const char*>(p) + SB_PREFETCH + line, _MM_HINT_T0);
-            _tile_loadd(0, xa + static_cast<size_t>(g) * G, a.K);
+            for (int line = 0; line < SLAB4_BYTES; line += 64)  // each slab streams from memory once
+                _mm_prefetch(reinterpret_cast<const char*>(p) + SB_PREFETCH + line, _MM_HINT_T0);
+            _tile_loadd(0, x.q + x.start[g], x.stride);
             if (g % 2 == 0) {
                 unpack_group(p, b[0]);
                 _tile_loadd(2, b[0], 64);
@@ -148,53 +134,30 @@ void amx4_slab16(const Acts& a, const int8_t* xa, const uint8_t* slab, int M, fl
 }
 
 void int4_linear_amx(const Acts& a, int M, int N, const uint8_t* w, const float* bias, void* out, int out_bf16) {
-    const int K = a.K;
-    // The activation codes with rows padded to 16 (the tiles read whole tiles).
-    const int padded = (M + 15) / 16 * 16;
-    int8_t* xq = static_cast<int8_t*>(aligned_alloc(64, (static_cast<size_t>(padded) * K + 63) / 64 * 64));
-    memcpy(xq, a.q, static_cast<size_t>(M) * K);
-    memset(xq + static_cast<size_t>(M) * K, 0, static_cast<size_t>(padded - M) * K);
-    const int slabs = (N + SLAB - 1) / SLAB, units = (slabs + AMX_UNIT - 1) / AMX_UNIT;
+    const AmxActs xp(a, M, G);
+    const int slabs = (N + SLAB - 1) / SLAB;
+    const size_t slab_bytes = static_cast<size_t>(a.K / G) * SLAB4_BYTES;
     if (M <= 16) {
-        const size_t slab_bytes = static_cast<size_t>(K / G) * SLAB4_BYTES;
 #pragma omp parallel
         {
-            amx_configure_int4();
+            amx_configure(G, 8);
             alignas(64) float res[16 * SLAB];
             alignas(64) int32_t scratch[512];
 #pragma omp for schedule(static)
             for (int s = 0; s < slabs; ++s) {
-                amx4_slab16(a, xq, w + s * slab_bytes, M, res, scratch, true);
+                amx4_slab16(a, xp, w + s * slab_bytes, M, res, scratch);
                 emit(res, SLAB, 0, M, s * SLAB, std::min(SLAB, N - s * SLAB), N, nullptr, bias, out, out_bf16);
             }
             _tile_release();
         }
-        free(xq);
         return;
     }
-    const int cu = M <= 32 ? 1 : std::clamp((1 << 20) / (AMX_UNIT * (K / G) * SLAB4_BYTES), 1, 8);
-    const int chunks = (units + cu - 1) / cu;
-    const int ld = cu * SLAB * AMX_UNIT;
-#pragma omp parallel
-    {
-        amx_configure_int4();
-        std::vector<float> res(static_cast<size_t>(32) * ld);
-        alignas(64) int32_t scratch[1024];
-#pragma omp for schedule(static)
-        for (int c = 0; c < chunks; ++c) {
-            const int u0 = c * cu, nu = std::min(cu, units - u0), s0 = u0 * AMX_UNIT;
-            const int n0 = s0 * SLAB, nr = std::min(nu * AMX_UNIT * SLAB, N - n0);
-            for (int m0 = 0; m0 < M; m0 += 32) {
-                std::fill(res.begin(), res.end(), 0.0f);
-                const int8_t* xa = xq + static_cast<size_t>(m0) * K;
-                if (M - m0 > 16)
-                    amx4_rows<2>(a, xa, w, slabs, s0, nu, M, m0, res.data(), ld, scratch, m0 == 0);
-                else
-                    amx4_rows<1>(a, xa, w, slabs, s0, nu, M, m0, res.data(), ld, scratch, m0 == 0);
-                emit(res.data(), ld, m0, std::min(32, M - m0), n0, nr, N, nullptr, bias, out, out_bf16);
-            }
-        }
-        _tile_release();
-    }
-    free(xq);
+    amx_chunks(M, N, AMX_UNIT * slab_bytes, G, 8,
+               [&](int s0, int nu, int m0, int mb, int n0, int nr, float* res, int ld, int32_t* scratch) {
+                   if (mb > 16)
+                       amx4_rows<2>(a, xp, w, slabs, s0, nu, M, m0, res, ld, scratch);
+                   else
+                       amx4_rows<1>(a, xp, w, slabs, s0, nu, M, m0, res, ld, scratch);
+                   emit(res, ld, m0, mb, n0, nr, N, nullptr, bias, out, out_bf16);
+               });
 }

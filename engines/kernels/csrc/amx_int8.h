@@ -37,9 +37,10 @@ bool amx_permitted() {
     return ok;
 }
 
-// Every tile 16 rows × 64 bytes. Loaded at the start of each parallel region: the thread's last tile
-// user may have been another library (oneDNN) with another shape.
-void amx_configure() {
+// A tiles 0, 1 of 16 rows × `a_bytes`, B tiles 2, 3 of `b_rows` × 64 bytes, C tiles 4-7 of 16 × 16 int32
+// (int8: 64-input steps, 64 and 16; int4: one 32-input group, 32 and 8). Loaded at the start of each
+// parallel region: the thread's last tile user may have been another library (oneDNN) with another shape.
+void amx_configure(int a_bytes, int b_rows) {
     struct alignas(64) {
         uint8_t palette, start_row, reserved[14];
         uint16_t colsb[16];
@@ -47,25 +48,31 @@ void amx_configure() {
     } cfg{};
     cfg.palette = 1;
     for (int t = 0; t < 8; ++t) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
+        cfg.colsb[t] = t < 2 ? a_bytes : 64;
+        cfg.rows[t] = t == 2 || t == 3 ? b_rows : 16;
     }
     _tile_loadconfig(&cfg);
 }
 
-// The activation codes for the tiles: rows padded to a multiple of 16, each group to a multiple of 64.
+// The activation codes for the tiles: rows padded to a multiple of 16, each group to a multiple of `step`
+// inputs (int8: 64, a tile step; int4: 32, its group, so nothing is padded).
 struct AmxActs {
     int8_t* q = nullptr;
     int stride = 0;            // bytes per padded row
     std::vector<int> start;    // each group's first byte in a row
-    AmxActs(const Acts& a, int M) {
+    AmxActs(const Acts& a, int M, int step) {
         for (int k0 = 0; k0 < a.K; k0 += a.ag) {
             start.push_back(stride);
-            stride += (std::min(a.ag, a.K - k0) + AMX_K - 1) / AMX_K * AMX_K;
+            stride += (std::min(a.ag, a.K - k0) + step - 1) / step * step;
         }
         const int rows = (M + 15) / 16 * 16;
         const size_t bytes = static_cast<size_t>(rows) * stride;
         q = static_cast<int8_t*>(aligned_alloc(64, (bytes + 63) / 64 * 64));
+        if (stride == a.K) {  // no group padded: the rows as they are, then zero rows
+            memcpy(q, a.q, static_cast<size_t>(M) * a.K);
+            memset(q + static_cast<size_t>(M) * a.K, 0, bytes - static_cast<size_t>(M) * a.K);
+            return;
+        }
         memset(q, 0, bytes);
         for (int m = 0; m < M; ++m)
             for (size_t g = 0; g < start.size(); ++g) {
@@ -153,22 +160,21 @@ void amx_rows(const Acts& a, const AmxActs& x, const int8_t* w, int slabs, int s
     }
 }
 
-void int8_linear_amx(const void* x, int x_bf16, int M, int K, int N, const int8_t* w, const float* scales,
-                     int act_group, const int32_t* out_idx, int n_out, const int8_t* outlier_w, const float* bias,
-                     void* out, int out_bf16) {
-    const Acts a(x, x_bf16, M, K, act_group, 0, out_idx, n_out, true);
-    const AmxActs xp(a, M);
+// The driver both tile GEMMs share: N's units of 2 slabs in chunks whose weights (`unit_bytes` a unit) stay
+// in L2 (~1 MB of its 2 MB) while every 32-row block passes, at most 8 units (a block's results are 32 KB);
+// a single row block (decode batches, short chunks) takes one unit at a time, so each slab streams front to
+// back. Chunks split statically over the threads. `block(s0, nu, m0, mb, n0, nr, res, ld, scratch)` fuses
+// rows m0 .. m0 + mb - 1 against the chunk's nu units from slab s0 (columns n0 .. n0 + nr - 1 of the output)
+// into res (zeroed, row stride ld) and stores them.
+template <typename Block>
+void amx_chunks(int M, int N, size_t unit_bytes, int a_bytes, int b_rows, Block block) {
     const int slabs = (N + SLAB - 1) / SLAB, units = (slabs + AMX_UNIT - 1) / AMX_UNIT;
-    const int n_rows = slabs * SLAB;
-    // Units per chunk: the chunk's weights (32·K bytes a unit) stay in L2 (~1 MB of its 2 MB) while every
-    // row block passes; at most 8 (256 columns: a 32-row block's results are 32 KB).
-    // One row block (decode batches, short chunks): one unit at a time, so each slab streams front to back.
-    const int cu = M <= 32 ? 1 : std::clamp((1 << 20) / (SLAB * AMX_UNIT * K), 1, 8);
+    const int cu = M <= 32 ? 1 : static_cast<int>(std::clamp((size_t{1} << 20) / unit_bytes, size_t{1}, size_t{8}));
     const int chunks = (units + cu - 1) / cu;
     const int ld = cu * SLAB * AMX_UNIT;
 #pragma omp parallel
     {
-        amx_configure();
+        amx_configure(a_bytes, b_rows);
         std::vector<float> res(static_cast<size_t>(32) * ld);
         alignas(64) int32_t scratch[1024];
 #pragma omp for schedule(static)
@@ -177,20 +183,31 @@ void int8_linear_amx(const void* x, int x_bf16, int M, int K, int N, const int8_
             const int n0 = s0 * SLAB, nr = std::min(nu * AMX_UNIT * SLAB, N - n0);
             for (int m0 = 0; m0 < M; m0 += 32) {
                 std::fill(res.begin(), res.end(), 0.0f);
-                if (M - m0 > 16)
-                    amx_rows<2>(a, xp, w, slabs, s0, nu, M, m0, res.data(), ld, scratch);
-                else
-                    amx_rows<1>(a, xp, w, slabs, s0, nu, M, m0, res.data(), ld, scratch);
-                const int mb = std::min(32, M - m0);
-                for (int m = 0; m < mb && n_out; ++m) {  // the outlier channels, as int8_unit adds them
-                    const float* side = a.side + static_cast<size_t>(m0 + m) * a.side_stride;
-                    for (int v = 0; v < (nr + VR - 1) / VR; ++v)
-                        vfma_codes(res.data() + static_cast<size_t>(m) * ld + v * VR, side,
-                                   outlier_w + static_cast<size_t>(n0) + v * VR, n_out, n_rows);
-                }
-                emit(res.data(), ld, m0, mb, n0, nr, N, scales, bias, out, out_bf16);
+                block(s0, nu, m0, std::min(32, M - m0), n0, nr, res.data(), ld, scratch);
             }
         }
         _tile_release();
     }
+}
+
+void int8_linear_amx(const void* x, int x_bf16, int M, int K, int N, const int8_t* w, const float* scales,
+                     int act_group, const int32_t* out_idx, int n_out, const int8_t* outlier_w, const float* bias,
+                     void* out, int out_bf16) {
+    const Acts a(x, x_bf16, M, K, act_group, 0, out_idx, n_out, true);
+    const AmxActs xp(a, M, AMX_K);
+    const int slabs = (N + SLAB - 1) / SLAB, n_rows = slabs * SLAB;
+    amx_chunks(M, N, static_cast<size_t>(SLAB) * AMX_UNIT * K, 64, 16,
+               [&](int s0, int nu, int m0, int mb, int n0, int nr, float* res, int ld, int32_t* scratch) {
+                   if (mb > 16)
+                       amx_rows<2>(a, xp, w, slabs, s0, nu, M, m0, res, ld, scratch);
+                   else
+                       amx_rows<1>(a, xp, w, slabs, s0, nu, M, m0, res, ld, scratch);
+                   for (int m = 0; m < mb && n_out; ++m) {  // the outlier channels, as int8_unit adds them
+                       const float* side = a.side + static_cast<size_t>(m0 + m) * a.side_stride;
+                       for (int v = 0; v < (nr + VR - 1) / VR; ++v)
+                           vfma_codes(res + static_cast<size_t>(m) * ld + v * VR, side,
+                                      outlier_w + static_cast<size_t>(n0) + v * VR, n_out, n_rows);
+                   }
+                   emit(res, ld, m0, mb, n0, nr, N, scales, bias, out, out_bf16);
+               });
 }

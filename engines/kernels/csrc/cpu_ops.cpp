@@ -171,7 +171,7 @@ void sb_paged_attention(const void* q, long q_stride, void* out, int T, int H, i
             const int32_t* table = tables + row_table[t];
             qf.resize(static_cast<size_t>(G) * D);
             scores.resize(static_cast<size_t>(G) * L);
-            acc.assign(static_cast<size_t>(G) * D, 0.0f);
+            acc.resize(static_cast<size_t>(G) * D);  // every element is written by the value sum below
             for (int g = 0; g < G; ++g)
                 for (int c = 0; c < chunks; ++c)
                     _mm256_storeu_ps(&qf[static_cast<size_t>(g) * D + 8 * c],
