@@ -163,6 +163,9 @@ class Settings(BaseSettings):
     router_auto_train: bool = Field(
         True, description="on start, train the router from the shipped labels where there is none (or an outdated one)"
     )
+    shadow_runs: bool = Field(
+        True, description="run the shadow relabeling tenants' policies ask for (router.shadow_share); off: none run"
+    )
     probe_dir: Path | None = Field(None, description="the answer probe policy check `probe` uses; default: home/probe")
     router_threads: int = Field(1, ge=1, description="torch threads of the routing thread (the engines use the rest)")
     tuning_check_seconds: float = Field(

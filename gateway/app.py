@@ -149,7 +149,7 @@ async def _start(config: AppConfig, engines: Mapping[str, TierEngine] | None, da
     running = _start_engines(settings, engines)
     proposals = ProposalStore(db, policies)
     budgets = Budgets(db, counters, settings.redis_namespace)
-    routing = await anyio.to_thread.run_sync(_routing, settings, running, db, ledger, budgets, config.metrics)
+    routing = await anyio.to_thread.run_sync(_routing, settings, running, db, ledger, budgets, config.metrics, policies)
     probe = await anyio.to_thread.run_sync(_probe, settings, routing)
     bootstrap = await start_bootstrap(settings, routing)  # no router: one is trained once the server is up
     pipeline = Pipeline(running, ledger, settings, policies, budgets, cache, config.metrics, routing, probe)
@@ -217,6 +217,7 @@ def _routing(
     ledger: Ledger,
     budgets: Budgets,
     metrics: Metrics,
+    policies: PolicyStore,
 ) -> RoutingStage:
     """The routing stage, with the trained router if one is saved (MiniLM loads here, not on a first request)."""
     from gateway.routing_hidden import HiddenStateSource
@@ -225,7 +226,9 @@ def _routing(
     from router_model.routed_prompts import RoutedPromptStore
 
     relabeler = Relabeler(engines, settings, ledger, budgets, metrics)
-    stage = RoutingStage.load(settings.router_path, settings.router_threads, engines, RoutedPromptStore(db), relabeler)
+    stage = RoutingStage.load(
+        settings.router_path, settings.router_threads, engines, RoutedPromptStore(db), relabeler, policies
+    )
     small = settings.tiers.get("small")
     stage.hidden = HiddenStateSource(
         engines.get("small"), tier_model(small) if small else None,

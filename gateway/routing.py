@@ -4,12 +4,15 @@ request of a tenant whose policy says `router.route_all`), and what follows its 
     decision  P(small is good enough) from the trained router (`router_model.serving`, off the event
               loop); small if it is at least the tenant's threshold, else large; then the policy's
               allowed tiers have the last word
-    threshold policy mode "threshold": the policy's own; mode "large_share": the tenant's calibration
-              (from `switchboard router calibrate --tenant`, if made for this router), else the
-              router's per-tenant one (`--prompts --tenant`), else the router's global one
+    threshold policy mode "quality_ratio" (the default): the one that keeps the floor (raised by a
+              recalibration) on the router's held-out curve; mode "threshold": the policy's own; mode
+              "large_share": the tenant's calibration (from `switchboard router calibrate --tenant`, if
+              made for this router), else the router's per-tenant one (`--prompts --tenant`), else the
+              router's global one
     afterwards (once the response is out) the conversation is stored for calibration and, for a share
-              of small-tier answers, re-run on the large tier and judged (`gateway.shadow`), as
-              the tenant's policy asks
+              of tiny- and small-tier answers, re-run on the large tier and judged (`gateway.shadow`),
+              as the tenant's policy asks; each verdict feeds the tenant's quality estimate and may
+              recalibrate it toward large (`gateway.quality_floor`)
 
 Drift: every decision goes into a sliding window (global and per tenant) of large calls against the
 share the deciding threshold was calibrated to send (`router_model.drift`), read by `/metrics` and
@@ -32,13 +35,15 @@ import numpy as np
 
 from engines.protocol import TierEngine
 from gateway.errors import APIError
+from gateway.quality_floor import QualityFloor
 from gateway.routing_hidden import HiddenStateSource
 from gateway.tenants import Principal
 from policies.policy import Policy
+from policies.store import PolicyStore
 from router_model.drift import LargeShareWindow, Shares
 from router_model.features import Messages
-from router_model.model import LARGE, SMALL, RouterLoadError, cheapest_tier
-from router_model.quality import estimate
+from router_model.model import LARGE, SMALL, TINY, RouterLoadError, cheapest_tier
+from router_model.quality import TenantVerdicts
 from router_model.routed_prompts import RoutedPromptStore
 from router_model.serving import RouterService
 
@@ -49,7 +54,7 @@ if TYPE_CHECKING:  # the pipeline runs this stage, and the relabeler meters thro
 log = logging.getLogger(__name__)
 
 AUTO = "auto"
-TINY = "tiny"
+
 LADDER = (TINY, SMALL, LARGE)  # the tiers `auto` picks among, cheapest first
 BUILDING_RETRY_AFTER_S = 5  # the `retry-after` of `auto`'s 503 while a router is built after startup
 
@@ -74,6 +79,7 @@ class RoutingStage:
         prompts: RoutedPromptStore | None = None,
         relabeler: Relabeler | None = None,
         unavailable: str = "no router is configured",
+        policies: PolicyStore | None = None,
     ) -> None:
         self.service = service
         self.engines = engines
@@ -86,6 +92,9 @@ class RoutingStage:
         self._stale_warned: set[tuple[str, str]] = set()
         self._background: set[asyncio.Task[None]] = set()
         self.hidden: HiddenStateSource | None = None  # the small tier's prefill, for routers trained on it
+        self.floor = QualityFloor(relabeler.verdicts if relabeler is not None else TenantVerdicts(), policies)
+        if relabeler is not None:
+            relabeler.on_verdict = self.floor.check
 
     @classmethod
     def load(
@@ -95,18 +104,19 @@ class RoutingStage:
         engines: Mapping[str, TierEngine],
         prompts: RoutedPromptStore | None = None,
         relabeler: Relabeler | None = None,
+        policies: PolicyStore | None = None,
     ) -> RoutingStage:
         """The stage with the router saved in `directory`; without one (or one this code cannot use) `auto`
         answers 404 saying why, and tenants that route everything are served the tier they name."""
         if not directory.exists():
-            return cls(None, engines, prompts, relabeler, f"no router is configured (none at {directory})")
+            return cls(None, engines, prompts, relabeler, f"no router is configured (none at {directory})", policies)
         try:
             service = RouterService.load(directory, threads)
         except RouterLoadError as exc:
             log.warning("model auto is unavailable: %s", exc)
-            return cls(None, engines, prompts, relabeler, f"no router is configured ({exc})")
+            return cls(None, engines, prompts, relabeler, f"no router is configured ({exc})", policies)
         log.info("router loaded from %s (%s)", directory, service.router.metadata.get("classifier"))
-        return cls(service, engines, prompts, relabeler)
+        return cls(service, engines, prompts, relabeler, policies=policies)
 
     def await_router(self, why: str) -> None:
         """A router is being built after startup: until `use_router`, `auto` is a 503 saying `why`."""
@@ -170,6 +180,7 @@ class RoutingStage:
         self.drift.add(choice == LARGE, expected)
         self.tenant_drift.setdefault(principal.tenant_name, LargeShareWindow()).add(choice == LARGE, expected)
         tier = choice if choice in tiers else cheapest_tier(p_ok, threshold, tiers)
+        self.floor.add(principal.tenant_name, tier, policy)
         used = all(s is not None for s in states) and spec is not None
         return RouteDecision(
             tier,
@@ -189,7 +200,7 @@ class RoutingStage:
         if settings.mode == "threshold":
             return settings.threshold, "policy", None
         if settings.mode == "quality_ratio":
-            found = router.threshold_for_floor(settings.quality_ratio)
+            found = router.threshold_for_floor(settings.floor)  # the floor, raised by a recalibration
             if found is not None:
                 return found[0], "floor", found[1]
             return router.threshold, "global", router.large_share_for(None)
@@ -263,22 +274,16 @@ class RoutingStage:
                 out["hidden_states"] = dict(self.hidden.counts)
         out["drift"] = self.drift.shares().as_dict() if tenants is None else None
         out["tenants"] = {
-            name: window.shares().as_dict() | {"quality": self._quality(name, window)}
+            name: window.shares().as_dict() | {"quality": self._quality(name)}
             for name, window in sorted(self.tenant_drift.items())
             if tenants is None or name in tenants
         }
         return out
 
-    def _quality(self, tenant: str, window: LargeShareWindow) -> dict[str, object] | None:
+    def _quality(self, tenant: str) -> dict[str, object] | None:
         """The tenant's estimated quality against always-large (`router_model.quality`) from its shadow
-        verdicts and its decisions in the window; None before its first verdict."""
-        if self.relabeler is None:
-            return None
-        shares = window.shares()
-        if shares.large_share is None:
-            return None
-        found = estimate(1 - shares.large_share, *self.relabeler.verdicts.counts(tenant))
-        return None if found is None else found.as_dict()
+        verdicts and its served tiers, beside its floor; None before its first routed request."""
+        return self.floor.summary(tenant)
 
     async def close(self) -> None:
         if self.relabeler is not None:

@@ -1,12 +1,15 @@
-"""Online relabeling: a share of live small-tier answers re-run on the large tier, judged, and logged as
-label rows that `switchboard router train --from-logs` learns from.
+"""Online relabeling: a share of live tiny- and small-tier answers re-run on the large tier, judged, and
+logged as label rows: the tenant's quality estimate (`gateway.quality_floor`) and, with the
+conversation, what `switchboard router train --from-logs` learns from.
 
 After a routed request's response has gone out (never on its path), the routing stage hands it here
-if the tenant's policy asks (`router.shadow_share`, default 0; it needs `router.store_prompts`, since
-the row keeps the conversation). The conversation runs greedily on the large tier, behind live
-requests (a lower engine priority), and the large tier judges the small tier's answer against its own
-with `router_model.label`'s judge: live traffic has no reference answers, so every live prompt is
-graded the way `router label` grades open chat (identical answers need no judge).
+if the tenant's policy asks (`router.shadow_share`, default 0.05) and the operator runs shadow runs
+(`shadow_runs`, default on). The conversation runs greedily on the large tier, behind live requests (a
+lower engine priority), and the large tier judges the cheaper tier's answer against its own with
+`router_model.label`'s judge: live traffic has no reference answers, so every live prompt is graded
+the way `router label` grades open chat (identical answers need no judge). The row keeps the
+conversation only where the policy says `router.store_prompts`: without it, it is a verdict (for the
+estimate) that trains nothing.
 
 Accounting, one ledger row per shadow run (`route = "shadow"`, its id the request's plus `-shadow`):
 - `router.shadow_billed: true`: the run is the tenant's like any request: its worst case (answer and
@@ -19,9 +22,11 @@ Accounting, one ledger row per shadow run (`route = "shadow"`, its id the reques
   label row (`prompt_tokens`, `large_tokens`, `judge_prompt_tokens`, `judge_tokens`).
 
 The label log is JSONL under the home directory, one row per judged run in `router label`'s format
-plus `messages`, `request_id`, `tenant_id`, `tenant` (its name) and `started` (epoch seconds when the
-shadow run began). Each verdict also counts toward its tenant's quality estimate
-(`router_model.quality`, in `GET /v1/admin/router`); the counts are read back from the log at start.
+(`<served>_ok`, `<served>_tokens`, ... for the tier that served) plus `served`, `request_id`,
+`tenant_id`, `tenant` (its name), `started` (epoch seconds when the shadow run began) and, with
+`store_prompts`, `messages`. Each verdict also counts toward its tenant's quality estimate
+(`router_model.quality`, in `GET /v1/admin/router`) and is handed to `on_verdict` (the routing stage's
+recalibration check); the counts are read back from the log at start.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,7 +58,7 @@ from policies.store import Versioned
 from router_model.features import split_conversation
 from router_model.label import JUDGE_MAX_TOKENS, MAX_TOKENS, tier_model
 from router_model.label_store import Row, open_appender, read_rows
-from router_model.model import LARGE, SMALL
+from router_model.model import LARGE, SMALL, TINY
 from router_model.quality import TenantVerdicts
 
 log = logging.getLogger(__name__)
@@ -70,7 +75,7 @@ def labels_path(home: Path) -> Path:
 
 @dataclass(frozen=True)
 class ShadowJob:
-    """A routed request the small tier answered, as it went out."""
+    """A routed request a cheaper tier (tiny, small) answered, as it went out."""
 
     request_id: str
     endpoint: str
@@ -79,10 +84,11 @@ class ShadowJob:
     key_id: int
     policy: Versioned
     messages: list[dict[str, str]]
-    small_text: str
+    small_text: str  # the served tier's answer (tiny's where `served` is tiny)
     small_tokens: int
     small_finish: str | None
     max_tokens: int  # what the live request was allowed
+    served: str = SMALL  # the tier that answered
 
     @classmethod
     def of(cls, plan: Plan, outcome: Outcome) -> ShadowJob:
@@ -100,6 +106,7 @@ class ShadowJob:
             small_tokens=outcome.choice_tokens[0],
             small_finish=outcome.finish_reasons[0],
             max_tokens=plan.work.requests[0].params.max_tokens,
+            served=outcome.served.name,
         )
 
 
@@ -147,16 +154,20 @@ class Relabeler:
         self._append_lock = threading.Lock()  # rows from concurrent runs never interleave
         self._tasks: set[asyncio.Task[Row | None]] = set()
         self.verdicts = TenantVerdicts()  # per tenant: the shadow verdicts so far, the log's included
+        self.on_verdict: Callable[[int, str], Awaitable[object]] | None = None  # (tenant id, name) after each row
         try:
             self.verdicts.load(read_rows(self.path))
         except ValueError as exc:  # a damaged log: the estimates start over rather than the gateway failing
             log.warning("tenant quality estimates start empty: %s", exc)
 
     def wants(self, policy: Versioned, served_by: str) -> bool:
-        """Whether this small-tier answer is drawn for a shadow run (the policy's share; a large tier to run on)."""
+        """Whether this tiny- or small-tier answer is drawn for a shadow run (the policy's share; shadow runs
+        on; a large tier to run on)."""
         share = policy.policy.router.shadow_share
         large = self.engines.get(LARGE)
-        return served_by == SMALL and share > 0 and large is not None and large.alive and self._rng.random() < share
+        if served_by not in (TINY, SMALL) or share <= 0 or not self.settings.shadow_runs:
+            return False
+        return large is not None and large.alive and self._rng.random() < share
 
     def offer(self, plan: Plan, outcome: Outcome) -> None:
         """A routed chat request's fresh answer, once it went out: shadow-run it if it is drawn (`wants`)."""
@@ -215,6 +226,8 @@ class Relabeler:
             return None
         row = self._row(job, len(prompt), spent, small_ok, verdict, time.perf_counter() - clock, started)
         await anyio.to_thread.run_sync(self._append, row)
+        if self.on_verdict is not None:
+            await self.on_verdict(job.tenant_id, job.tenant)
         return row
 
     async def _reserve(self, job: ShadowJob, rid: str, prompt: int, max_tokens: int) -> Reservation | None:
@@ -292,31 +305,37 @@ class Relabeler:
         seconds: float,
         started: float,
     ) -> Row:
-        """The label row, in `router label`'s format plus the live request's."""
-        large, judge, tiers = spent.large, spent.judge, self.settings.tiers
-        return {
+        """The label row, in `router label`'s format (for the tier that served) plus the live request's."""
+        large, judge, tiers, served = spent.large, spent.judge, self.settings.tiers, job.served
+        row: Row = {
             "id": f"live/{job.request_id}",
             "source": "live",
-            "small_ok": small_ok,
+            "served": served,
+            f"{served}_ok": small_ok,
             "large_ok": True,  # the reference, as for open chat in `router label`
-            "label": small_ok,
+        }
+        if served == SMALL:
+            row["label"] = small_ok
+        row |= {
             "prompt_tokens": prompt,
-            "small_tokens": job.small_tokens,
+            f"{served}_tokens": job.small_tokens,
             "large_tokens": large.tokens,
-            "small_finish": job.small_finish,
+            f"{served}_finish": job.small_finish,
             "large_finish": large.finish,
             "seconds": round(seconds, 3),
             "judge": verdict,
             "judge_prompt_tokens": judge.prompt_tokens,
             "judge_tokens": judge.tokens,
-            "small_model": tier_model(tiers[SMALL]) if SMALL in tiers else SMALL,
+            f"{served}_model": tier_model(tiers[served]) if served in tiers else served,
             "large_model": tier_model(tiers[LARGE]) if LARGE in tiers else LARGE,
-            "messages": job.messages,
             "request_id": job.request_id,
             "tenant_id": job.tenant_id,
             "tenant": job.tenant,
             "started": started,
         }
+        if job.policy.policy.router.store_prompts:  # the conversation only where the tenant lets us keep it
+            row["messages"] = job.messages
+        return row
 
     async def _generate(
         self, engine: TierEngine, request_id: str, prompt: list[int], max_tokens: int, tenant_id: int
@@ -357,7 +376,7 @@ class Relabeler:
     def _append(self, row: Row) -> None:
         with self._append_lock, open_appender(self.path) as append:
             append(row)
-        self.verdicts.add(row["tenant"], row["small_ok"])
+        self.verdicts.add(row["tenant"], row[f"{row['served']}_ok"], row["served"])
 
     async def close(self, timeout: float = 30.0) -> None:
         """Let running shadow runs finish (each writes its row), then cancel what is left."""

@@ -49,34 +49,50 @@ class RouterCalibration(_Strict):
     router: str = Field(min_length=1, max_length=128, description="the router it is for (its model's sha256)")
 
 
+class FloorRecalibration(_Strict):
+    """What the gateway wrote when a tenant's measured quality fell short of its floor (`gateway.quality_floor`):
+    the held-out curve is then aimed `offset` above the floor, and the next recalibration waits for fresh
+    shadow verdicts (counted from `judged`)."""
+
+    offset: float = Field(ge=0.0, le=1.0, description="added to quality_ratio when the floor's threshold is computed")
+    judged: int = Field(ge=0, description="the tenant's shadow verdicts when it was made; later ones decide the next")
+    ratio: float = Field(ge=0.0, le=1.0, description="the estimated quality ratio that triggered it")
+    high: float = Field(ge=0.0, le=1.0, description="the upper end of that estimate's 95% interval")
+
+
 class RouterSettings(_Strict):
     """The learned router (`model: "auto"`): a request goes to the large tier when P(small is good enough)
-    falls below the threshold. Mode "threshold": `threshold` itself. Mode "large_share": the tenant's
-    `calibration` (if it was computed for the router being served), else the router's global threshold.
-    Mode "quality_ratio": the threshold that holds `auto` to `quality_ratio` of always-large's quality on the
-    router's held-out curve with the fewest large calls (the global threshold for a router without one)."""
+    falls below the threshold. Mode "quality_ratio" (the default): the threshold that holds `auto` to
+    `quality_ratio` of always-large's quality on the router's held-out curve with the fewest large calls
+    (aimed higher by `recalibration` once the tenant's shadow runs measured it short; the global threshold
+    for a router without a curve). Mode "threshold": `threshold` itself. Mode "large_share": the tenant's
+    `calibration` (if it was computed for the router being served), else the router's global threshold."""
 
-    mode: Literal["threshold", "large_share", "quality_ratio"] = "large_share"
+    mode: Literal["threshold", "large_share", "quality_ratio"] = "quality_ratio"
     threshold: float = Field(0.5, ge=0.0, le=1.0)
     quality_ratio: float = Field(
         0.95, gt=0.0, le=1.0, description="mode quality_ratio: auto's quality as a share of always-large's"
     )
     large_share: float = Field(0.25, ge=0.0, le=1.0, description="the share of large calls calibration aims for")
     calibration: RouterCalibration | None = None
+    recalibration: FloorRecalibration | None = None
     route_all: bool = Field(False, description="route every request, whatever tier its `model` names")
     store_prompts: bool = Field(
         False, description="keep routed conversations (SQL; and in shadow label rows) to calibrate and retrain on"
     )
     shadow_share: float = Field(
-        0.0, ge=0.0, le=1.0, description="share of routed small-tier answers re-run on the large tier and judged"
+        0.05,
+        ge=0.0,
+        le=1.0,
+        description="share of routed tiny- and small-tier answers re-run on the large tier and judged (the estimate)",
     )
     shadow_billed: bool = Field(False, description="shadow runs are priced and count against the budgets")
 
-    @model_validator(mode="after")
-    def _shadow_keeps_prompts(self) -> RouterSettings:
-        if self.shadow_share > 0 and not self.store_prompts:  # a label row without its conversation trains nothing
-            raise ValueError("shadow_share > 0 needs store_prompts: each label row keeps the conversation")
-        return self
+    @property
+    def floor(self) -> float:
+        """The quality ratio the held-out curve is aimed at: the floor, raised by a recalibration."""
+        offset = self.recalibration.offset if self.recalibration is not None else 0.0
+        return min(1.0, self.quality_ratio + offset)
 
 
 class SamplingLimits(_Strict):
@@ -140,13 +156,18 @@ class VerifierSettings(_Strict):
     every_n_tokens: int = Field(16, ge=1)
     degeneration: DegenerationSettings = Field(default_factory=DegenerationSettings)
     confidence: ConfidenceSettings = Field(default_factory=ConfidenceSettings)
+    # On by default: a code answer is run against the examples its own prompt gives (no tokens, ~0.1 s;
+    # docs/verifiers.md) and retried on `cascade_to` when one fails.
     checks: list[Literal["math", "code", "structure", "probe", "prompt_examples", "program_of_thought", "resample"]] = (
-        Field(default_factory=list, description="final answer checks: a failed one escalates (see `cascade`)")
+        Field(
+            default_factory=lambda: ["prompt_examples"],
+            description="final answer checks: a failed one escalates (see `cascade`)",
+        )
     )
     probe_threshold: float | None = Field(
         None, ge=0.0, le=1.0, description="the probe escalates answers below this P(right); default: its own"
     )
-    cascade: bool = Field(False, description="retry an answer that failed a check (or looped) on `cascade_to`")
+    cascade: bool = Field(True, description="retry an answer that failed a check (or looped) on `cascade_to`")
     cascade_to: str = Field("large", min_length=1, max_length=32)
 
 

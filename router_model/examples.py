@@ -34,7 +34,8 @@ class Example:
 
 def read_label_rows(path: Path) -> list[dict]:
     """The rows of a JSONL label file; the last row of an id wins. A run still appending is fine:
-    `label_store.read_rows` skips its unterminated last line."""
+    `label_store.read_rows` skips its unterminated last line. Live rows that cannot train a router (a
+    tiny answer's verdict, or one kept without its conversation) are left out."""
     from router_model.label_store import read_rows
 
     if not Path(path).is_file():
@@ -45,6 +46,8 @@ def read_label_rows(path: Path) -> list[dict]:
         raise LabelFileError(str(exc)) from None
     rows: dict[str, dict] = {}
     for n, row in enumerate(found, 1):
+        if row.get("source") == "live" and ("small_ok" not in row or "messages" not in row):
+            continue  # a verdict that trains nothing: on a tiny answer, or without its conversation (store_prompts off)
         missing = [k for k in ("id", "source", "small_ok", "large_ok") if k not in row]
         if missing:
             raise LabelFileError(f"{path}: row {n}: missing {', '.join(missing)}")

@@ -23,7 +23,7 @@ from router_model.encoder import RouterEncoder
 from router_model.features import FEATURE_VERSION, Messages, featurize
 from router_model.hidden import HiddenSpec
 
-SMALL, LARGE = "small", "large"
+TINY, SMALL, LARGE = "tiny", "small", "large"
 MODEL_FILE, METADATA_FILE = "router.joblib", "router.json"
 # Probabilities stay inside (0, 1), so a threshold of 0 sends nothing large and 1 sends everything large.
 _EPS = 1e-6

@@ -34,6 +34,9 @@ os.environ["SWITCHBOARD_KEY_SECRET"] = "switchboard-tests-key-secret"
 # A gateway without a router would train one from the shipped labels after startup (~20 s of CPU each):
 # tests ask for that with `router_auto_train=True` (tests/gateway/test_router_bootstrap.py).
 os.environ["SWITCHBOARD_ROUTER_AUTO_TRAIN"] = "false"
+# Default policies shadow-run 5% of tiny- and small-served `auto` answers on the large tier: a test's ledger
+# rows and engine steps must not depend on that draw. Tests of it turn it on (tests/router/test_router_gateway.py).
+os.environ["SWITCHBOARD_SHADOW_RUNS"] = "false"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 MODELS_HOME = Path(os.environ.get("SWITCHBOARD_HOME", "~/.cache/switchboard")).expanduser()

@@ -16,15 +16,39 @@ from gateway.errors import documented
 router = APIRouter(prefix="/v1", tags=["admin"], responses=documented(401, 403, 413, 422, 503))
 
 
-class Quality(BaseModel):
+class TierVerdicts(BaseModel):
+    share: float = Field(description="share of the tenant's routed requests (the last 1,000) this tier served")
+    ok: int = Field(description="its answers the large tier found good enough")
+    judged: int = Field(description="its answers judged")
+
+
+class QualityEstimate(BaseModel):
     """The tenant's quality under `auto` against always-large, from its own shadow runs (`router_model.quality`)."""
 
-    ratio: float = Field(description="1 - cheaper_share × (1 - ok / judged): its answers as good as always-large's")
-    low: float = Field(description="95% interval (Wilson's on ok / judged), lower end")
+    ratio: float = Field(description="1 - sum over cheaper tiers of share × (1 - ok / judged)")
+    low: float = Field(description="95% interval (Wilson's on each tier's ok / judged), lower end")
     high: float = Field(description="upper end")
-    judged: int = Field(description="shadow runs judged so far (the label log's included)")
+    judged: int = Field(description="shadow runs judged since the last recalibration (the label log's included)")
     ok: int = Field(description="of them, cheaper answers the large tier found good enough")
-    cheaper_share: float = Field(description="share of the window's decisions served below large")
+    cheaper_share: float = Field(description="share of the window's requests served below large")
+    tiers: dict[str, TierVerdicts] = Field(default_factory=dict, description="per cheaper tier")
+
+
+class Recalibration(BaseModel):
+    offset: float = Field(description="how far above the floor the held-out curve is aimed")
+    judged: int = Field(description="the tenant's verdicts when it was made (the estimate counts those after)")
+    ratio: float = Field(description="the estimate that triggered it")
+    high: float = Field(description="its interval's upper end, below the floor")
+
+
+class Quality(BaseModel):
+    """The estimate beside the floor it is held to (`gateway.quality_floor`)."""
+
+    floor: float | None = Field(description="policy mode quality_ratio: the share of always-large's quality promised")
+    aimed_at: float | None = Field(description="the floor the held-out curve is aimed at (raised by recalibration)")
+    estimate: QualityEstimate | None = Field(description="measured on the tenant's shadow runs; None before one")
+    short: bool | None = Field(description="the estimate's upper end is below the floor")
+    recalibration: Recalibration | None = Field(description="the last recalibration toward large, if any")
 
 
 class Shares(BaseModel):
@@ -34,7 +58,7 @@ class Shares(BaseModel):
         description="the share their thresholds were calibrated to send large (mean over decisions that have one)"
     )
     quality: Quality | None = Field(
-        None, description="per tenant: estimated quality against always-large, once shadow runs judged some answers"
+        None, description="per tenant: its quality floor and the quality measured on its shadow runs"
     )
 
 

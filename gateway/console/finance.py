@@ -14,7 +14,7 @@ from gateway import reports
 from gateway.console.chart import cost_chart
 from gateway.console.render import page, router, visible
 from gateway.console.session import FinanceUser
-from gateway.deps import DatabaseDep
+from gateway.deps import DatabaseDep, PipelineDep
 from gateway.errors import APIError
 from gateway.tenants import list_tenants
 
@@ -62,7 +62,9 @@ FinanceScope = Annotated[_Scope, Depends(_finance_scope)]
 
 
 @router.get("/finance")
-async def finance(request: Request, db: DatabaseDep, principal: FinanceUser, scope: FinanceScope) -> Response:
+async def finance(
+    request: Request, db: DatabaseDep, pipeline: PipelineDep, principal: FinanceUser, scope: FinanceScope
+) -> Response:
     ids, first, last = scope.ids, scope.first, scope.last
     costs = await anyio.to_thread.run_sync(reports.costs, db, ids, first, last, ("day", "tier"))
     savings = await anyio.to_thread.run_sync(reports.savings, db, ids, first, last)
@@ -80,6 +82,7 @@ async def finance(request: Request, db: DatabaseDep, principal: FinanceUser, sco
         costs=costs,
         savings=savings,
         levers=reports.LEVERS,
+        quality={r["tenant"]: pipeline.routing.floor.summary(r["tenant"]) for r in savings},
         chart=cost_chart(costs),
         csv_url="/console/finance.csv" + (f"?{urlencode(query)}" if query else ""),
     )

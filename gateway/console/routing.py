@@ -146,6 +146,7 @@ async def _page(
         values=values,
         preview=preview,
         saved=small_int(request.query_params.get("saved")),
+        quality=pipeline.routing.floor.summary(tenant.name),
         **context,
     )
 

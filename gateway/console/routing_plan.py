@@ -32,7 +32,7 @@ from router_model.curve import CurvePoint, RoutingCurve, operating_point, routin
 from router_model.model import LARGE, SMALL, Router
 from router_model.routed_prompts import KEEP_PER_TENANT
 
-MODES = ("large_share", "threshold", "quality_floor")
+MODES = ("quality_ratio", "large_share", "threshold", "quality_floor")
 DRY_RUN_LIMIT = 500  # the tenant's most recent requests the preview replays (the API's default)
 SCORE_CHUNK = 8  # held-out prompts scored per call: live routing decisions interleave with the chunks
 
@@ -129,6 +129,7 @@ class FormValues:
     large_share: str
     threshold: str
     quality_floor: str
+    quality_ratio: str = ""
     note: str = ""
 
     @classmethod
@@ -141,6 +142,7 @@ class FormValues:
             large_share=_num(r.large_share),
             threshold=_num(r.threshold),
             quality_floor="" if quality_floor is None else f"{quality_floor:.3f}",
+            quality_ratio=_num(r.quality_ratio),
         )
 
     @classmethod
@@ -152,6 +154,7 @@ class FormValues:
             large_share=form.get("large_share", "").strip()[:32],
             threshold=form.get("threshold", "").strip()[:32],
             quality_floor=form.get("quality_floor", "").strip()[:32],
+            quality_ratio=form.get("quality_ratio", "").strip()[:32],
             note=form.get("note", "").strip()[:200],
         )
 
@@ -194,6 +197,9 @@ def propose(policy: Policy, choice: RoutingChoice, data: CurveData | None) -> tu
         t = threshold_for_quality_floor(data.p_small_ok, data.small_ok > 0.5, data.large_ok > 0.5, choice.value)
         if router["mode"] != "threshold" or router["threshold"] != t:
             router |= {"mode": "threshold", "threshold": t}
+    elif choice.mode == "quality_ratio":  # held on the curve as it is, recalibrated on shadow runs: starts afresh
+        if router["mode"] != "quality_ratio" or router["quality_ratio"] != choice.value:
+            router |= {"mode": "quality_ratio", "quality_ratio": choice.value, "recalibration": None}
     elif choice.mode == "threshold":
         if router["mode"] != "threshold" or router["threshold"] != choice.value:
             router |= {"mode": "threshold", "threshold": choice.value}

@@ -331,11 +331,12 @@ def test_engine_failure_is_an_openai_error_and_still_billed(
 
     monkeypatch.setattr(small_engine.engine, "step", failing_third_step)
     with pytest.raises(openai.InternalServerError) as info:
-        client.chat.completions.create(model="small", messages=MESSAGES, max_tokens=50)
+        client.chat.completions.create(model="small", messages=MESSAGES, max_tokens=50, temperature=0)
     assert info.value.status_code == 500 and info.value.body["code"] == "engine_error"
 
     state["calls"] = 0
-    stream = client.chat.completions.create(model="small", messages=MESSAGES, max_tokens=50, stream=True)
+    # Greedy: the answer outlasts two steps (sampled at temperature 1, "Paris" + end could finish first).
+    stream = client.chat.completions.create(model="small", messages=MESSAGES, max_tokens=50, temperature=0, stream=True)
     with pytest.raises(openai.APIError, match="engine failed"):
         for _ in stream:
             pass

@@ -155,6 +155,34 @@ def test_an_answer_that_failed_its_check_is_never_cached(live: LiveServer) -> No
     assert [r.headers.get("x-switchboard-cache") for r in passed] == ["miss", "hit"]
 
 
+# The docstring says sum, the example says otherwise: any answer that follows the text fails it.
+CODE_PROMPT = """Complete this Python function. Reply with the code only.
+
+def add(a, b):
+    \"\"\"Return the sum of a and b.
+    >>> add(2, 3)
+    7
+    \"\"\"
+"""
+
+
+def test_the_default_policy_runs_a_code_answer_against_its_prompts_examples(live: LiveServer) -> None:
+    """No policy saved: a code answer that fails the examples its prompt gives is retried on large, and the
+    failed answer is not cached (a repeat runs and escalates again); an answer without examples to run
+    goes out as it is."""
+    key = tenant_key(live, {})
+    runs = [ask(live, key, CODE_PROMPT, cache="default", max_tokens=60) for _ in range(2)]
+    for r in runs:
+        assert r.status_code == 200, r.text
+        assert r.headers["x-switchboard-cascade"].startswith("small>large"), r.headers.get("x-switchboard-verifiers")
+        assert "0:prompt_examples:escalate@" in r.headers["x-switchboard-verifiers"]
+        assert r.headers.get("x-switchboard-cache") != "hit"
+        (first,) = live.wait_for_usage(r.headers["x-switchboard-cascade"].split("first=")[1])
+        assert (first.tier, first.status) == ("small", "escalated")
+    plain = ask(live, key, "Say hello to my friend Anna in one short sentence.")
+    assert plain.headers["x-switchboard-tier"] == "small" and "x-switchboard-cascade" not in plain.headers
+
+
 @pytest.mark.parametrize(("threshold", "escalated"), [(1.0, True), (0.0, False)])
 def test_the_probe_check_escalates_below_its_threshold(live: LiveServer, threshold: float, escalated: bool) -> None:
     policy = {"verifiers": {"checks": ["probe"], "probe_threshold": threshold, "cascade": True}}

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from router_model.quality import TenantVerdicts, estimate, wilson
+from router_model.quality import MIN_VERDICTS, ServedTiers, TenantVerdicts, estimate, recalibrated_offset, wilson
 
 
 def test_wilsons_interval_matches_its_textbook_values() -> None:
@@ -18,28 +18,60 @@ def test_wilsons_interval_matches_its_textbook_values() -> None:
 
 
 def test_the_ratio_counts_only_what_a_cheaper_tier_served() -> None:
-    half = estimate(0.5, 8, 10)
+    half = estimate({"small": 0.5}, {"small": (8, 10)})
     assert half is not None
     assert half.ratio == pytest.approx(0.9)  # half the answers large's own, 80% of the rest good enough
     assert (half.low, half.high) == pytest.approx((1 - 0.5 * (1 - 0.4902), 1 - 0.5 * (1 - 0.9433)), abs=1e-4)
-    all_large = estimate(0.0, 0, 10)
+    all_large = estimate({}, {"small": (0, 10)})
     assert all_large is not None and all_large.ratio == all_large.low == all_large.high == 1.0
-    assert estimate(0.5, 0, 0) is None  # no verdict, no estimate
+    assert estimate({"small": 0.5}, {}) is None  # no verdict, no estimate
+
+
+def test_each_cheaper_tier_counts_with_its_own_verdicts() -> None:
+    """tiny 20% at 5/10 good enough, small 30% at 9/10: 1 - 0.2 * 0.5 - 0.3 * 0.1 = 0.87; a tier with a share
+    but no verdict counts at the pooled rate and leaves its whole share open in the interval."""
+    both = estimate({"tiny": 0.2, "small": 0.3}, {"tiny": (5, 10), "small": (9, 10)})
+    assert both is not None
+    assert both.ratio == pytest.approx(0.87)
+    tiny_low, tiny_high = wilson(5, 10)
+    small_low, small_high = wilson(9, 10)
+    assert both.low == pytest.approx(1 - 0.2 * (1 - tiny_low) - 0.3 * (1 - small_low))
+    assert both.high == pytest.approx(1 - 0.2 * (1 - tiny_high) - 0.3 * (1 - small_high))
+    assert (both.judged, both.ok, both.cheaper_share) == (20, 14, pytest.approx(0.5))
+    assert both.as_dict()["tiers"]["tiny"] == {"share": 0.2, "ok": 5, "judged": 10}
+    unjudged = estimate({"tiny": 0.2, "small": 0.3}, {"small": (9, 10)})
+    assert unjudged is not None
+    assert unjudged.ratio == pytest.approx(1 - 0.2 * 0.1 - 0.3 * 0.1)  # tiny at small's (the pooled) rate
+    assert unjudged.low == pytest.approx(1 - 0.2 - 0.3 * (1 - small_low))  # tiny's p anywhere in (0, 1)
 
 
 def test_the_estimate_moves_when_the_cheaper_tier_gets_worse() -> None:
     """A planted bad small tier: its verdicts turn to "not good enough", and the interval's upper end falls
-    below a 0.95 floor once there are enough of them."""
+    below a 0.95 floor once there are enough of them; the rule then aims the curve higher by the shortfall."""
     verdicts = TenantVerdicts()
     for i in range(40):
         verdicts.add("acme", i % 10 != 0)  # 90% good enough
-    good = estimate(0.6, *verdicts.counts("acme"))
+    good = estimate({"small": 0.6}, verdicts.counts("acme"))
+    assert recalibrated_offset(good, 0.95, 0.0) is None
     for _ in range(60):
         verdicts.add("acme", False)
-    bad = estimate(0.6, *verdicts.counts("acme"))
+    bad = estimate({"small": 0.6}, verdicts.counts("acme"))
     assert good is not None and bad is not None
     assert good.high > 0.95 and bad.ratio < good.ratio and bad.high < 0.95
-    assert verdicts.counts("other") == (0, 0)  # tenants are counted apart
+    assert verdicts.counts("other") == {}  # tenants are counted apart
+    assert bad.high < 0.7 and recalibrated_offset(bad, 0.7, 0.0) == pytest.approx(0.7 - bad.ratio)  # the shortfall
+    assert recalibrated_offset(bad, 0.7, 0.01) == pytest.approx(0.01 + 0.7 - bad.ratio)  # on top of the last one
+    raised = recalibrated_offset(bad, 0.95, 0.0)
+    assert raised == pytest.approx(0.05)  # the shortfall is 0.33, but the curve ends at always-large's quality
+    assert recalibrated_offset(bad, 0.95, 0.04) == pytest.approx(0.05)  # never aimed past the curve's top
+    assert recalibrated_offset(bad, 0.95, 0.05) is None  # already there: no change
+    # fresh verdicts only: counted after the recalibration's mark, too few of them decide nothing
+    since = verdicts.judged("acme")
+    for _ in range(MIN_VERDICTS - 1):
+        verdicts.add("acme", False)
+    fresh = estimate({"small": 0.6}, verdicts.counts("acme", since))
+    assert fresh is not None and fresh.judged == MIN_VERDICTS - 1 and fresh.high < 0.95
+    assert recalibrated_offset(fresh, 0.95, raised or 0.0) is None
 
 
 def test_verdicts_load_from_live_label_rows_that_name_their_tenant() -> None:
@@ -47,12 +79,22 @@ def test_verdicts_load_from_live_label_rows_that_name_their_tenant() -> None:
     verdicts.load(
         [
             {"source": "live", "tenant": "acme", "small_ok": True},
-            {"source": "live", "tenant": "acme", "small_ok": False},
+            {"source": "live", "tenant": "acme", "served": "small", "small_ok": False},
+            {"source": "live", "tenant": "acme", "served": "tiny", "tiny_ok": True},
             {"source": "gsm8k", "small_ok": True},  # offline labels are no tenant's traffic
             {"source": "live", "tenant_id": 3, "small_ok": True},  # a row from before names were kept
         ]
     )
-    assert verdicts.counts("acme") == (1, 2)
+    assert verdicts.counts("acme") == {"small": (1, 2), "tiny": (1, 1)}
+    assert verdicts.judged("acme") == 3 and verdicts.counts("acme", since=2) == {"tiny": (1, 1)}
+
+
+def test_served_tiers_are_a_window_per_tenant() -> None:
+    served = ServedTiers(window=4)
+    for tier in ("tiny", "large", "small", "small", "small"):
+        served.add("acme", tier)
+    assert served.shares("acme") == {"large": 0.25, "small": 0.75}  # the first (tiny) fell out of the window
+    assert served.shares("other") == {}
 
 
 def test_a_floor_becomes_the_threshold_with_the_fewest_large_calls_that_keep_it() -> None:

@@ -36,7 +36,7 @@ from gateway.app import create_app
 from gateway.cli import main
 from gateway.deps import app_services, running_pipeline
 from gateway.shadow import LABELS_FILE
-from gateway.tenants import create_tenant, tenant_by_name
+from gateway.tenants import authenticate, create_tenant, tenant_by_name
 from live import LiveServer, serve_gateway, start_server
 from policies.policy import Policy, RouterSettings
 from policies.tune_prompts import tenant_prompts
@@ -74,11 +74,14 @@ class ResponseSent:
     before the response is complete shows a timestamp before it (no speed is asserted).
     """
 
-    def __init__(self, app: ASGIApp, sent: dict[str, float]) -> None:
+    def __init__(self, app: ASGIApp, sent: dict[str, float], loops: list[asyncio.AbstractEventLoop]) -> None:
         self.app = app
         self.sent = sent
+        self.loops = loops  # the server's event loop, once it served a request
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not self.loops:
+            self.loops.append(asyncio.get_running_loop())
         request_id = ""
         hold = dict(scope.get("headers", [])).get(HOLD.encode()) == b"1"
 
@@ -103,9 +106,11 @@ class Gateway:
     url: str
     router_dir: Path
     sent: dict[str, float]
+    loops: list[asyncio.AbstractEventLoop]
 
     def tenant(self, **router: Any) -> tuple[str, str, int]:
-        """A new tenant whose policy has these router settings: (name, app key, id)."""
+        """A new tenant whose policy has these router settings (no shadow runs unless asked): (name, app key, id)."""
+        router.setdefault("shadow_share", 0.0)
         name = f"t-{uuid.uuid4().hex[:10]}"
         issued = create_tenant(self.live.db, name)
         found = tenant_by_name(self.live.db, name)
@@ -157,13 +162,15 @@ def gateway(
         redis_namespace=namespace,
         tiers={"small": {"model": "unused"}, "large": {"model": "unused"}},
         router_dir=router_dir,
+        shadow_runs=True,  # the test suite turns them off (tests/conftest.py); tenants here ask for them
     )
     db = Database(url)
     app = create_app(settings, engines={"small": small_engine, "large": small_engine}, database=db)
     sent: dict[str, float] = {}
-    app.add_middleware(ResponseSent, sent=sent)
+    loops: list[asyncio.AbstractEventLoop] = []
+    app.add_middleware(ResponseSent, sent=sent, loops=loops)
     live, stop = start_server(app, db)
-    yield Gateway(live, home, url, router_dir, sent)
+    yield Gateway(live, home, url, router_dir, sent, loops)
     stop()
     db.dispose()
     drop()
@@ -181,7 +188,7 @@ def _row(gw: Gateway, request_id: str) -> Any:
 
 
 def test_auto_sends_a_simple_prompt_small_and_a_hard_one_large(gateway: Gateway) -> None:
-    _, key, _ = gateway.tenant()  # the default policy: the router's global threshold
+    _, key, _ = gateway.tenant(mode="large_share")  # no calibration: the router's global threshold
     threshold = load_router(gateway.router_dir).threshold
     simple, hard = gateway.chat(key, SIMPLE), gateway.chat(key, HARD)
     assert simple.status_code == hard.status_code == 200, (simple.text, hard.text)
@@ -237,7 +244,7 @@ def test_the_policy_decides_threshold_tiers_and_whether_every_request_is_routed(
     assert models.json()["data"] == []
 
     # completions: text prompts, routed on the hardest of them; token ids cannot be read
-    _, plain, _ = gateway.tenant()
+    _, plain, _ = gateway.tenant(mode="large_share")
     base, auth = gateway.live.base_url, {"Authorization": f"Bearer {plain}"}
 
     def complete(prompt: object) -> httpx.Response:
@@ -273,7 +280,8 @@ def test_a_quality_floor_routes_by_the_threshold_it_implies(gateway: Gateway) ->
 def test_shadow_runs_start_after_the_response_and_log_label_rows(gateway: Gateway, tmp_path: Path) -> None:
     unbilled_name, unbilled, _ = gateway.tenant(store_prompts=True, shadow_share=1.0)
     _, billed, _ = gateway.tenant(store_prompts=True, shadow_share=1.0, shadow_billed=True)
-    _, never, _ = gateway.tenant(store_prompts=True)
+    _, never, _ = gateway.tenant(store_prompts=True, shadow_share=0.0)
+    verdict_only_name, verdict_only, _ = gateway.tenant(mode="large_share", shadow_share=1.0)  # keeps no conversations
 
     # greedy: the large tier (the same model here) answers the same, so no judge is needed
     same = gateway.chat(unbilled, SIMPLE, hold=True)
@@ -291,19 +299,23 @@ def test_shadow_runs_start_after_the_response_and_log_label_rows(gateway: Gatewa
         streamed_text = "".join(streamed.iter_text())
     assert streamed_text.endswith("data: [DONE]\n\n")
     skipped = gateway.chat(never, SIMPLE)
-    for r in (same, judged, skipped):
+    unkept = gateway.chat(verdict_only, SIMPLE, hold=True)
+    for r in (same, judged, skipped, unkept):
         assert r.status_code == 200 and r.headers["x-switchboard-tier"] == "small"
 
     rows = {rid: gateway.wait_for_label(rid) for rid in (same.json()["id"], judged.json()["id"], streamed_id)}
     for rid, row in rows.items():
         assert row["started"] >= gateway.sent[rid]  # the response's last byte went out before the shadow run began
         assert row["id"] == f"live/{rid}" and row["source"] == "live" and row["large_ok"] is True
-        assert row["label"] == row["small_ok"] and row["large_model"] == "unused@bf16/bf16"
+        assert row["label"] == row["small_ok"] and row["large_model"] == "unused@bf16/bf16" and row["served"] == "small"
         assert row["messages"][-1]["role"] == "user" and row["large_tokens"] > 0
     assert rows[same.json()["id"]]["small_ok"] is True and rows[same.json()["id"]]["judge"] is None
     assert rows[same.json()["id"]]["small_tokens"] == same.json()["usage"]["completion_tokens"]
     assert rows[judged.json()["id"]]["judge"] is not None and rows[judged.json()["id"]]["judge_tokens"] > 0
     assert skipped.json()["id"] not in gateway.labels()  # shadow_share 0: none
+    # a tenant whose policy keeps no conversations gets a verdict for its estimate, and nothing to train on
+    bare = gateway.wait_for_label(unkept.json()["id"])
+    assert "messages" not in bare and bare["small_ok"] is True and bare["tenant"] == verdict_only_name
 
     # one ledger row per shadow run, route "shadow", on the large tier; unbilled: nothing on the tenant's bill
     free = _row(gateway, f"{same.json()['id']}-shadow")
@@ -321,10 +333,13 @@ def test_shadow_runs_start_after_the_response_and_log_label_rows(gateway: Gatewa
     assert {rows[rid]["tenant"] for rid in (same.json()["id"], judged.json()["id"])} == {unbilled_name}
     ops = create_tenant(gateway.live.db, f"ops-{uuid.uuid4().hex[:8]}", operator=True, role="admin").key
     stats = httpx.get(f"{gateway.live.base_url}/v1/admin/router", headers={"Authorization": f"Bearer {ops}"}).json()
-    quality = stats["tenants"][unbilled_name]["quality"]
+    summary = stats["tenants"][unbilled_name]["quality"]
+    assert summary["floor"] == 0.95 and summary["recalibration"] is None  # the default floor
+    quality = summary["estimate"]
     ok = sum(rows[rid]["small_ok"] for rid in (same.json()["id"], judged.json()["id"]))
     assert (quality["judged"], quality["ok"], quality["cheaper_share"]) == (2, ok, 1.0)  # both served small
     assert quality["low"] <= quality["ratio"] == ok / 2 <= quality["high"]
+    assert quality["tiers"] == {"small": {"share": 1.0, "ok": ok, "judged": 2}}
 
     # the live labels train a router (`--from-logs`), beside labels from elsewhere
     labels = write_label_file(synthetic_examples(120, seed=5), tmp_path / "labels.jsonl")
@@ -337,6 +352,95 @@ def test_shadow_runs_start_after_the_response_and_log_label_rows(gateway: Gatewa
     meta = read_metadata(out)
     assert meta["label_file"] == str(out / "train-labels.jsonl")
     assert meta["n_train"] + meta["n_heldout"] == 120 + len(rows) and meta["labels_train"]["live"]["n"] >= 1
+    # (the verdict without its conversation is not among them)
+
+
+def test_a_new_tenant_is_held_to_the_default_quality_floor(gateway: Gateway) -> None:
+    """No policy saved: the built-in default holds `auto` to 0.95 of always-large's quality on the router's
+    held-out curve, shadow-runs 5% of the cheaper tiers' answers, and checks code answers against their
+    prompts' examples with a cascade to large."""
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    key = create_tenant(gateway.live.db, name).key
+    found = tenant_by_name(gateway.live.db, name)
+    assert found is not None
+    current = app_services(gateway.live.app).policies.current(found.id)
+    router, checks = current.policy.router, current.policy.verifiers
+    assert current.version == 0 and (router.mode, router.quality_ratio, router.shadow_share) == (
+        "quality_ratio",
+        0.95,
+        0.05,
+    )
+    assert checks.checks == ["prompt_examples"] and checks.cascade and checks.cascade_to == "large"
+    stage = running_pipeline(gateway.live.app).routing
+    implied = load_router(gateway.router_dir).threshold_for_floor(0.95)
+    assert implied is not None and stage.threshold(current.policy, name)[:2] == (implied[0], "floor")
+    for content in (SIMPLE, HARD):
+        r = gateway.chat(key, content)
+        assert r.status_code == 200
+        assert r.headers["x-switchboard-tier"] == ("large" if _p(r) < implied[0] else "small"), content
+
+
+def test_a_tenant_measured_short_of_its_floor_is_recalibrated_toward_large(gateway: Gateway) -> None:
+    """A planted bad small tier: the tenant's earlier shadow verdicts say its answers were not good enough.
+    The next shadow run's verdict brings the estimate's upper end below the floor: the gateway saves a
+    policy version aiming the curve higher by the shortfall (audited as `switchboard`), the threshold
+    rises, and the estimate starts over on fresh verdicts."""
+    name, key, tenant_id = gateway.tenant(shadow_share=1.0, quality_ratio=0.5, allowed_tiers=["small"])
+    stage = running_pipeline(gateway.live.app).routing
+    policies = app_services(gateway.live.app).policies
+    before = policies.current(tenant_id)
+    for _ in range(40):
+        stage.floor.verdicts.add(name, False)
+    r = gateway.chat(key, SIMPLE, hold=True)
+    assert r.status_code == 200 and r.headers["x-switchboard-tier"] == "small"  # the only tier it may use
+    row = gateway.wait_for_label(r.json()["id"])
+    deadline = time.monotonic() + 30
+    while (after := policies.current(tenant_id)).version == before.version and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert after.version == before.version + 1
+    recalibration = after.policy.router.recalibration
+    ratio = 1 - (1 - row["small_ok"] / 41)  # every routed request served small: c = 1
+    assert recalibration is not None and recalibration.judged == 41
+    assert recalibration.ratio == pytest.approx(ratio, abs=1e-4) and recalibration.high < 0.5
+    assert recalibration.offset == pytest.approx(0.5 - ratio, abs=1e-4)
+    assert after.policy.router.floor == pytest.approx(1 - ratio, abs=1e-4)
+    entry = audit.entries(gateway.live.db, tenant_id)[0]
+    assert (entry.actor, entry.action, entry.target) == (
+        "switchboard",
+        "policy.recalibrate",
+        f"policy v{after.version}",
+    )
+    assert entry.after["router"]["recalibration"]["offset"] == recalibration.offset
+    old, new = (stage.threshold(v.policy, name) for v in (before, after))
+    assert new[0] >= old[0] and (new[2] or 0) >= (old[2] or 0)  # toward large
+    ops = create_tenant(gateway.live.db, f"ops-{uuid.uuid4().hex[:8]}", operator=True, role="admin").key
+    stats = httpx.get(f"{gateway.live.base_url}/v1/admin/router", headers={"Authorization": f"Bearer {ops}"}).json()
+    summary = stats["tenants"][name]["quality"]
+    assert summary["recalibration"]["judged"] == 41 and summary["aimed_at"] == pytest.approx(1 - ratio, abs=1e-4)
+    assert summary["estimate"] is None  # no verdict since
+
+
+def test_a_tiny_answer_is_judged_and_counted_for_its_tier(gateway: Gateway) -> None:
+    """Shadow runs take tiny-served answers too: the row says which tier served and keeps its verdict
+    under that tier's name (it trains no small-tier label), and the verdict counts for tiny."""
+    from gateway.shadow import ShadowJob
+
+    name, key, tenant_id = gateway.tenant(shadow_share=1.0)
+    key_id = authenticate(gateway.live.db, key).key_id
+    policies = app_services(gateway.live.app).policies
+    relabeler = running_pipeline(gateway.live.app).routing.relabeler
+    assert relabeler is not None and relabeler.wants(policies.current(tenant_id), "tiny")
+    assert not relabeler.wants(policies.current(tenant_id), "large")
+    rid = f"tiny-{uuid.uuid4().hex[:8]}"
+    messages = [{"role": "user", "content": SIMPLE}]
+    job = ShadowJob(rid, "chat.completions", tenant_id, name, key_id, policies.current(tenant_id), messages,
+                    "I am a banana.", 5, "stop", 16, served="tiny")  # fmt: skip
+    assert httpx.get(f"{gateway.live.base_url}/healthz").status_code == 200  # the server's loop is known
+    row = asyncio.run_coroutine_threadsafe(relabeler.run(job), gateway.loops[0]).result(120)
+    assert row is not None and row["served"] == "tiny" and isinstance(row["tiny_ok"], bool)
+    assert "small_ok" not in row and "label" not in row and "messages" not in row
+    assert row["tiny_tokens"] == 5 and row["large_tokens"] > 0 and row["judge"] is not None
+    assert relabeler.verdicts.counts(name) == {"tiny": (int(row["tiny_ok"]), 1)}
 
 
 def test_calibrating_a_tenant_writes_a_policy_version(
