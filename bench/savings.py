@@ -10,11 +10,15 @@ of 5-40. It is replayed through a live `switchboard serve` (`bench/savings_gatew
 database and a Redis namespace, or `--embedded` SQLite and in-process counters) twice, at most
 `--concurrency` requests in flight, each at its arrival time (`--time-scale 0`: all at once):
 
-  large  every request on `large`, `"cache": "no-store"`, tenants whose policy turns the cache off;
-  auto   `model: "auto"` with each tenant's policy: `saver` (10% of its prompts large, semantic cache, a
-         max_tokens cap at 3/4 of the largest request's), `balanced` (30% large), `quality` (60% large, the
-         `prompt_examples` check with a cascade to large, the degeneration verifier). Each threshold sends
-         its share of the trace's distinct prompts large, as `switchboard router calibrate --tenant` would.
+  large    every request on `large`, `"cache": "no-store"`, tenants whose policy turns the cache off;
+  auto     `model: "auto"` with each tenant's policy: `saver` (10% of its prompts large, semantic cache, a
+           max_tokens cap at 3/4 of the largest request's), `balanced` (30% large), `quality` (60% large,
+           the `prompt_examples` check with a cascade to large, the degeneration verifier). Each threshold
+           sends its share of the trace's distinct prompts large, as `switchboard router calibrate --tenant`
+           would;
+  default  `model: "auto"` with every tenant on the built-in default policy (a 0.95 quality floor, 5% of
+           the cheaper tiers' answers shadow-run on large, code checks with a cascade); once its shadow runs
+           are done, each tenant's estimated quality ratio is read from `GET /v1/admin/router`.
 
 Every answer is graded (`bench/savings_grade.py`; open chat judged by the large tier against the
 always-large answer). Cost and the saving by lever come from `GET /v1/finance/savings` for each run's
@@ -28,7 +32,9 @@ synthetic labels (seconds).
 Writes to `--out`: the trace, every response (`large.jsonl`, `auto.jsonl`, as they come), the gateway's
 log and `savings.png` (accuracy against cost: the router's held-out threshold sweep, each tenant's
 threshold on it, the run's measured points). Prints a table per run and tenant; the last line is JSON:
-`accuracy_ratio` and `cost_ratio` (auto / always-large), `apgr` and `apgr_ci_low` (the router's
+`accuracy_ratio` and `cost_ratio` (auto / always-large), `default_accuracy_ratio`, `default_cost_ratio` and
+`tiny_share` (the default run), `estimated_quality_ratio` (per tenant: the gateway's estimate from its
+shadow runs beside the graded ratio, default run / always-large), `apgr` and `apgr_ci_low` (the router's
 metadata; null when absent), `route_p50_ms`, `saved_<lever>` (USD, auto run), hit rate, failures.
 """
 
@@ -53,7 +59,7 @@ from bench.savings_grade import LEVERS
 from bench.savings_report import calibrate, heldout_sweep, plot, print_table, router_figures, summarize
 from bench.savings_trace import Request, build_trace, load_pools, summary
 
-RUNS = ("large", "auto")
+RUNS = ("large", "auto", "default")
 
 
 @dataclass
@@ -89,21 +95,26 @@ def parse_args() -> argparse.Namespace:
 def measure(args: argparse.Namespace, gw: Served, trace: list[Request], thresholds: dict[str, float]) -> Measured:
     """Both runs, the grading, the finance API's answer and the cross-check."""
     cap = max(1, round(0.75 * max(r.max_tokens for r in trace)))
-    tenants, ops = gateway.create_tenants(gw.db_url, gateway.auto_policies(thresholds, cap))
+    tenants, ops, admin = gateway.create_tenants(gw.db_url, gateway.auto_policies(thresholds, cap))
     keys = {run: {role: tenants[(run, role)].key for role in ROLES} for run in RUNS}
     if not gateway.offers_auto(gw.url, keys["auto"]["balanced"]):
         raise SystemExit(f'the gateway offers no `model: "auto"` (see {gw.log}); nothing to compare')
     first_day = datetime.now(UTC).date()
     results: dict[str, list[dict]] = {}
     common = {"concurrency": args.concurrency, "time_scale": args.time_scale, "timeout": args.timeout}
-    for run, model in (("large", "large"), ("auto", "auto")):
+    route_p50 = None
+    for run, model in (("large", "large"), ("auto", "auto"), ("default", "auto")):
         before = gateway.route_histogram(gw.url)
         replay = gateway.replay(gw.url, trace, keys[run], model=model, no_store=run == "large",
                                 record=args.out / f"{run}.jsonl", desc=run, **common)  # fmt: skip
         results[run] = asyncio.run(replay)
         if failed := [x for x in results[run] if not x.get("ok")]:
             say(f"{run}: {len(failed)} of {len(trace)} requests failed, e.g. {[x['error'] for x in failed[:3]]}")
-    route_p50 = gateway.histogram_p50_ms(before, gateway.route_histogram(gw.url))  # the auto run's decisions
+        if run == "auto":  # the auto run's decisions
+            route_p50 = gateway.histogram_p50_ms(before, gateway.route_histogram(gw.url))
+    say("waiting for the default run's shadow runs")
+    default_names = {role: tenants[("default", role)].name for role in ROLES}
+    estimates = gateway.quality_estimates(gw.url, admin, default_names)
     say("grading")
     grades = grade.grade_references(trace, results, args.grade_workers)
     judge_key = tenants[("judge", "judge")].key
@@ -115,6 +126,8 @@ def measure(args: argparse.Namespace, gw: Served, trace: list[Request], threshol
         return asyncio.run(asks)
 
     judged = grade.judge_chats(trace, results["large"], results["auto"], grades, judge)
+    judged_default = grade.judge_chats(trace, results["large"], results["default"], grades, judge, run="default")
+    judged = {k: judged[k] + judged_default[k] for k in judged}
     names = {t.name: t for t in tenants.values() if t.run != "judge"}
     answered = sum(x.get("ok", False) for run in RUNS for x in results[run])
     rows = gateway.settle_ledger(gw.db_url, list(names), answered)
@@ -124,8 +137,9 @@ def measure(args: argparse.Namespace, gw: Served, trace: list[Request], threshol
     problems = grade.crosscheck({n: finance[n] for n in names if n in finance}, ledger, policies)
     empty = {"requests": 0, **{k: Decimal(0) for k in grade.AMOUNTS}}
     by_role = {(t.run, t.role): finance.get(n, empty) for n, t in names.items()}
-    usage = grade.usage_agreement(results["large"] + results["auto"], ledger)
-    notes = {**judged, "ledger_rows": rows, "usage": usage, "thresholds": thresholds, "saver_max_tokens_cap": cap}
+    usage = grade.usage_agreement([x for run in RUNS for x in results[run]], ledger)
+    notes = {**judged, "ledger_rows": rows, "usage": usage, "thresholds": thresholds, "saver_max_tokens_cap": cap,
+             "estimates": estimates}  # fmt: skip
     return Measured(results, grades, by_role, problems, route_p50, notes)
 
 
@@ -145,6 +159,8 @@ def report(args: argparse.Namespace, trace: list[Request], m: Measured, router_d
     large, auto = summaries["large/"], summaries["auto/"]
     measured = {"always large (trace)": (1.0, large["accuracy"] or 0.0)}
     measured["auto (trace)"] = (ratio(auto["cost"], large["cost"]) or 0.0, auto["accuracy"] or 0.0)
+    default = summaries["default/"]
+    measured["default policy (trace)"] = (ratio(default["cost"], large["cost"]) or 0.0, default["accuracy"] or 0.0)
     for role in ROLES:
         s, base = summaries[f"auto/{role}"], summaries[f"large/{role}"]
         measured[f"auto, {role}"] = (ratio(s["cost"], base["cost"]) or 0.0, s["accuracy"] or 0.0)
@@ -167,10 +183,27 @@ def report(args: argparse.Namespace, trace: list[Request], m: Measured, router_d
         "hit_rate": round(auto["hit_rate"], 4), "large_share": round(auto["tiers"].get("large", 0.0), 4),
         **{f"saved_{lv}": float(auto["saved"][lv]) for lv in LEVERS},
         "saved_share": ratio(saved, auto["counterfactual"]),
-        "failed_large": large["failed"], "failed_auto": auto["failed"], "cascaded": auto["cascaded"],
+        "default_accuracy_ratio": ratio(default["accuracy"], large["accuracy"]),
+        "default_cost_ratio": ratio(default["cost"], large["cost"]),
+        "tiny_share": round(default["tiers"].get("tiny", 0.0), 4),
+        "estimated_quality_ratio": estimated_quality(summaries, m.notes["estimates"]),
+        "failed_large": large["failed"], "failed_auto": auto["failed"], "failed_default": default["failed"],
+        "cascaded": auto["cascaded"], "cascaded_default": default["cascaded"],
         "judged": m.notes["judged"],
         "crosscheck": "ok" if not m.problems else "FAILED", "png": str(png),
     }  # fmt: skip
+
+
+def estimated_quality(summaries: dict[str, dict[str, Any]], estimates: dict[str, Any]) -> dict[str, Any]:
+    """Per tenant of the default run: the gateway's estimate from its shadow runs (ratio, interval, verdicts)
+    beside the graded truth, its accuracy over always-large's on the same requests."""
+    out = {}
+    for role in ROLES:
+        found = estimates.get(role) or {}
+        graded = ratio(summaries[f"default/{role}"]["accuracy"], summaries[f"large/{role}"]["accuracy"])
+        out[role] = {"estimate": found.get("ratio"), "low": found.get("low"), "high": found.get("high"),
+                     "judged": found.get("judged", 0), "graded": graded}  # fmt: skip
+    return out
 
 
 def main() -> None:

@@ -87,39 +87,54 @@ def limits() -> dict[str, Any]:
 
 def auto_policies(thresholds: dict[str, float], cap: int) -> dict[str, Any]:
     """The three tenants of the `auto` run: a cost-saver (few large calls, semantic cache, a max_tokens cap),
-    a balanced default, a quality-first one (more large calls, prompt-example checks with a cascade)."""
+    a balanced default, a quality-first one (more large calls, prompt-example checks with a cascade). No
+    shadow runs, and checks only where named: the run as it was before those became the default."""
     from policies.policy import CacheSettings, Policy, RouterSettings, SamplingLimits, VerifierSettings
 
     def router(role: str) -> RouterSettings:
-        return RouterSettings(mode="threshold", threshold=thresholds[role])
+        return RouterSettings(mode="threshold", threshold=thresholds[role], shadow_share=0.0)
 
     verifiers = VerifierSettings(enabled=["degeneration"], checks=["prompt_examples"], cascade=True)
     return {
         "saver": Policy(router=router("saver"), cache=CacheSettings(semantic=True),
-                        sampling=SamplingLimits(max_tokens_cap=cap), **limits()),
-        "balanced": Policy(router=router("balanced"), **limits()),
+                        sampling=SamplingLimits(max_tokens_cap=cap), verifiers=_no_checks(), **limits()),
+        "balanced": Policy(router=router("balanced"), verifiers=_no_checks(), **limits()),
         "quality": Policy(router=router("quality"), verifiers=verifiers, **limits()),
     }  # fmt: skip
+
+
+def default_policy() -> Any:
+    """The `default` run's tenants: the built-in default policy (a 0.95 quality floor, 5% shadow runs, code
+    checks with a cascade), with only the bench's far-off budgets and rate limits added."""
+    from policies.policy import Policy
+
+    return Policy(**limits())
+
+
+def _no_checks() -> Any:
+    from policies.policy import VerifierSettings
+
+    return VerifierSettings(checks=[], cascade=False)
 
 
 def large_policy() -> Any:
     """The always-large run's tenants: no cache (the requests also say `no-store`), no router, no checks."""
     from policies.policy import CacheSettings, Policy
 
-    return Policy(cache=CacheSettings(enabled=False), **limits())
+    return Policy(cache=CacheSettings(enabled=False), verifiers=_no_checks(), **limits())
 
 
 @dataclass(frozen=True)
 class Tenant:
     name: str
     key: str
-    run: str  # large | auto | judge
+    run: str  # large | auto | default | judge
     role: str  # saver | balanced | quality | judge
     policy: Any  # policies.policy.Policy
 
 
-def create_tenants(db_url: str, auto: dict[str, Any]) -> tuple[dict[tuple[str, str], Tenant], str]:
-    """Tenants for each run and role, a judge tenant, and the operator's finance key."""
+def create_tenants(db_url: str, auto: dict[str, Any]) -> tuple[dict[tuple[str, str], Tenant], str, str]:
+    """Tenants for each run and role, a judge tenant, and the operator's finance and admin keys."""
     from core.db.database import Database
     from gateway.tenants import create_tenant, tenant_by_name
     from policies.policy import Policy
@@ -128,7 +143,8 @@ def create_tenants(db_url: str, auto: dict[str, Any]) -> tuple[dict[tuple[str, s
     db = Database(db_url)
     suffix = uuid.uuid4().hex[:6]
     plan = [("large", role, large_policy()) for role in ROLES]
-    plan += [("auto", role, auto[role]) for role in ROLES] + [("judge", "judge", Policy(**limits()))]
+    plan += [("auto", role, auto[role]) for role in ROLES] + [("default", role, default_policy()) for role in ROLES]
+    plan += [("judge", "judge", Policy(verifiers=_no_checks(), **limits()))]
     tenants = {}
     try:
         for run, role, policy in plan:
@@ -139,9 +155,10 @@ def create_tenants(db_url: str, auto: dict[str, Any]) -> tuple[dict[tuple[str, s
             PolicyStore(db).save(found.id, policy, "bench", note="bench/savings.py")
             tenants[(run, role)] = Tenant(name, key, run, role, policy)
         ops = create_tenant(db, f"savings-ops-{suffix}", operator=True, role="finance", actor="bench").key
+        admin = create_tenant(db, f"savings-admin-{suffix}", operator=True, role="admin", actor="bench").key
     finally:
         db.dispose()
-    return tenants, ops
+    return tenants, ops, admin
 
 
 # --- the gateway process -------------------------------------------------------------------------------
@@ -351,4 +368,25 @@ def settle_ledger(db_url: str, tenants: Sequence[str], expected: int, wait_s: fl
             time.sleep(0.5)
     finally:
         db.dispose()
+    return last
+
+
+def quality_estimates(url: str, admin_key: str, tenants: dict[str, str], wait_s: float = 600.0) -> dict[str, Any]:
+    """Per role, the gateway's quality estimate for that tenant (`GET /v1/admin/router`), once its shadow
+    runs stop adding verdicts (they run behind live requests, after the replay): role → the estimate (None
+    without a verdict). `tenants`: role → tenant name."""
+    import httpx
+
+    def read() -> dict[str, Any]:
+        r = httpx.get(f"{url}/v1/admin/router", headers={"Authorization": f"Bearer {admin_key}"}, timeout=60)
+        r.raise_for_status()
+        stats = r.json()["tenants"]
+        return {role: ((stats.get(name) or {}).get("quality") or {}).get("estimate") for role, name in tenants.items()}
+
+    last, stable_since, deadline = read(), time.monotonic(), time.monotonic() + wait_s
+    while time.monotonic() < deadline and time.monotonic() - stable_since < 15:
+        time.sleep(1.0)
+        now = read()
+        if now != last:
+            last, stable_since = now, time.monotonic()
     return last

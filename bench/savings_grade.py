@@ -66,8 +66,9 @@ def grade_references(trace: Sequence[Request], runs: dict[str, list[dict]], work
 
 
 def judge_chats(trace: Sequence[Request], large: list[dict], auto: list[dict], grades: dict[str, list],
-                judge: Judge) -> dict[str, int]:  # fmt: skip
-    """Fill in open chat: always-large right when answered; `auto` right when identical or judged as good."""
+                judge: Judge, run: str = "auto") -> dict[str, int]:  # fmt: skip
+    """Fill in open chat: always-large right when answered; `run`'s answers (`auto`) right when identical or
+    judged as good."""
     from grading.graders import judge_messages, parse_verdict
 
     asks: dict[tuple[str, str, str], list[int]] = {}
@@ -77,10 +78,10 @@ def judge_chats(trace: Sequence[Request], large: list[dict], auto: list[dict], g
         ref, cand = large[r.index], auto[r.index]
         grades["large"][r.index] = True if ref.get("ok") else None  # no reference: left out of both runs
         if not ref.get("ok"):
-            grades["auto"][r.index] = None
+            grades[run][r.index] = None
         elif cand.get("ok"):
             if cand["text"].strip() == ref["text"].strip():
-                grades["auto"][r.index] = True
+                grades[run][r.index] = True
             else:
                 asks.setdefault((r.question, ref["text"], cand["text"]), []).append(r.index)
     keys = list(asks)
@@ -89,7 +90,7 @@ def judge_chats(trace: Sequence[Request], large: list[dict], auto: list[dict], g
     for k, reply in zip(keys, replies, strict=True):
         failed += reply is None
         for i in asks[k]:
-            grades["auto"][i] = reply is not None and parse_verdict(reply) is True  # no clear yes: not as good
+            grades[run][i] = reply is not None and parse_verdict(reply) is True  # no clear yes: not as good
     return {"judged": len(keys), "judge_failed": failed}
 
 

@@ -130,7 +130,7 @@ def test_crosscheck_catches_a_misprice() -> None:
 @pytest.mark.slow
 def test_savings_runs_end_to_end_on_the_tiny_profile(tmp_path: Path, postgres_server: str, redis_server: str) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SWITCHBOARD_TEST_POSTGRES_URL": postgres_server,
-           "SWITCHBOARD_TEST_REDIS_URL": redis_server}  # fmt: skip
+           "SWITCHBOARD_TEST_REDIS_URL": redis_server, "SWITCHBOARD_SHADOW_RUNS": "true"}  # fmt: skip
     cmd = [sys.executable, "-m", "bench.savings", "--profile", "tiny", "--requests", "24", "--max-tokens", "16",
            "--concurrency", "8", "--time-scale", "0", "--out", str(tmp_path)]  # fmt: skip
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=800)
@@ -140,11 +140,20 @@ def test_savings_runs_end_to_end_on_the_tiny_profile(tmp_path: Path, postgres_se
     assert keys | {f"saved_{lv}" for lv in ("cache", "routing", "speculation", "verifier", "policy")} <= set(r)
     assert (r["requests"], r["profile"], r["crosscheck"], r["failed_large"], r["failed_auto"]) == (
         24, "tiny", "ok", 0, 0)  # fmt: skip
+    # the default run: every tenant on the built-in default policy, and the gateway's estimate per tenant
+    assert r["failed_default"] == 0 and 0 < r["default_cost_ratio"] < 1 and 0 <= r["tiny_share"] <= 1
+    assert set(r["estimated_quality_ratio"]) == {"saver", "balanced", "quality"}
+    for found in r["estimated_quality_ratio"].values():
+        assert set(found) == {"estimate", "low", "high", "judged", "graded"} and found["judged"] >= 0
     assert 0 < r["cost_ratio"] < 1  # the small tier costs less, and a cache hit nothing
     assert r["accuracy_ratio"] is None or r["accuracy_ratio"] >= 0
     assert r["route_p50_ms"] is not None and r["route_p50_ms"] > 0
     assert r["saved_routing"] > 0 and r["saved_share"] > 0
     assert Path(r["png"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    for run in ("large", "auto"):
+    for run in ("large", "auto", "default"):
         assert len((tmp_path / f"{run}.jsonl").read_text().splitlines()) == 24
-    assert "| auto | saver |" in done.stdout and "| large | all |" in done.stdout
+    assert (
+        "| auto | saver |" in done.stdout
+        and "| large | all |" in done.stdout
+        and "| default | quality |" in done.stdout
+    )

@@ -484,4 +484,7 @@ def test_policy_verifiers_stop_a_loop_and_report_it(live_server: LiveServer) -> 
         headers={"Authorization": f"Bearer {plain_key}"},
         timeout=120,
     )
-    assert r.json()["usage"]["completion_tokens"] == 200 and "x-switchboard-verifiers" not in r.headers
+    assert (
+        r.json()["usage"]["completion_tokens"] == 200
+    )  # the default policy's check (code examples) has nothing to run
+    assert r.headers["x-switchboard-verifiers"] == "none"

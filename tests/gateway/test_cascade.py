@@ -133,7 +133,7 @@ def test_an_answer_that_passes_is_not_retried(live: LiveServer) -> None:
 
 
 def test_without_a_cascade_the_failed_check_is_only_reported(live: LiveServer) -> None:
-    key = tenant_key(live, {"verifiers": {"checks": ["math"]}})
+    key = tenant_key(live, {"verifiers": {"checks": ["math"], "cascade": False}})
     r = ask(live, key, "Say hello to my friend Anna in one short sentence.")
     assert r.headers["x-switchboard-tier"] == "small" and "x-switchboard-cascade" not in r.headers
     assert "0:math:escalate@" in r.headers["x-switchboard-verifiers"]
@@ -142,7 +142,7 @@ def test_without_a_cascade_the_failed_check_is_only_reported(live: LiveServer) -
 def test_an_answer_that_failed_its_check_is_never_cached(live: LiveServer) -> None:
     """Without a cascade the failed answer goes out, but a repeat of the request runs again instead of
     replaying it; an answer that passed is replayed."""
-    key = tenant_key(live, {"verifiers": {"checks": ["math"]}})
+    key = tenant_key(live, {"verifiers": {"checks": ["math"], "cascade": False}})
 
     def twice(content: str) -> list[httpx.Response]:
         return [ask(live, key, content, cache="default") for _ in range(2)]

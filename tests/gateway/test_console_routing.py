@@ -194,7 +194,9 @@ def test_the_form_is_for_admins_who_see_the_tenant(gw: Gateway) -> None:
     for tier in app_services(gw.live.app).pipeline.engines:  # a box per tier this gateway serves, whatever they are
         assert f'name="tier:{tier}"' in page.text
     assert 'name="any_tier" id="any-tier" checked' in page.text  # the default policy allows any tier
-    assert 'value="large_share" id="mode-large_share" checked' in page.text
+    assert 'value="quality_ratio" id="mode-quality_ratio" checked' in page.text  # the default: 0.95 of large's
+    assert 'id="quality_ratio" min="0" max="1" step="any" value="0.95"' in page.text
+    assert 'id="measured-quality"' in page.text and "not measured yet" in page.text  # no shadow verdict yet
     assert f"{routing(name)}" in admin.get(f"/console/tenants/{name}/policy").text  # linked from the editor
 
     assert admin.get(routing(other)).status_code == 404  # another tenant's admin: as if it did not exist
@@ -208,6 +210,32 @@ def test_the_form_is_for_admins_who_see_the_tenant(gw: Gateway) -> None:
         assert anonymous.get(routing(name)).headers["location"] == "/console/login"
 
 
+def test_the_measured_quality_stands_beside_the_floor_on_the_routing_and_finance_pages(gw: Gateway) -> None:
+    """The estimate from the tenant's shadow verdicts (planted here as the shadow runs add them: 40 answers
+    served small, 30 of 40 judged good enough) with its interval and the floor, on both pages."""
+    name, _, app_key, admin_key = gw.tenant()
+    r = httpx.post(
+        f"{gw.url}/v1/chat/completions",
+        json={"model": "small", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+        headers={"Authorization": f"Bearer {app_key}"},
+        timeout=60,
+    )
+    assert r.status_code == 200  # usage, so that the finance page has a row for the tenant
+    floor = app_services(gw.live.app).pipeline.routing.floor
+    for i in range(40):
+        floor.add(name, "small", Policy())
+        floor.verdicts.add(name, i % 4 != 0)
+    found = floor.estimate(name)
+    assert found is not None and found.ratio == 0.75 and found.high < 0.95
+    shown = f'{found.ratio:.3f}</span> <span class="muted">[{found.low:.3f}, {found.high:.3f}] on 40 shadow verdicts'
+    page = signed_in(gw, admin_key).get(routing(name)).text
+    measured = page.split('id="measured-quality"')[1].split("</section>")[0]
+    assert shown in measured and "floor 0.95" in measured and "short of the floor" in measured
+    finance = signed_in(gw, gw.operator_finance).get("/console/finance").text
+    row = next(line for line in finance.split("<tr>") if f"<td>{name}</td>" in line)
+    assert shown in row and "floor 0.95" in row
+
+
 def test_the_curve_is_the_routers_on_its_held_out_labels_with_the_point_in_force(
     gw: Gateway, router_dir: Path, heldout_p: tuple[np.ndarray, np.ndarray, np.ndarray]
 ) -> None:
@@ -219,7 +247,9 @@ def test_the_curve_is_the_routers_on_its_held_out_labels_with_the_point_in_force
     assert line and len(line.group(1).split()) == len(routing_curve(p, small, large).points)
     assert svg.count('class="mark current"') == 1 and 'class="mark proposed"' not in svg
     assert f"the router's {len(p)} held-out labeled prompts" in html.unescape(page)
-    point = operating_point(p, small, large, load_router(router_dir).threshold)
+    router = load_router(router_dir)
+    floor = router.threshold_for_floor(0.95)  # the default policy's: 0.95 of always-large's quality
+    point = operating_point(p, small, large, floor[0] if floor is not None else router.threshold)
     assert f"In force: {100 * point.large_share:.1f}% large, quality {point.quality:.3f}" in page
     assert 'id="mode-quality_floor" disabled' not in page  # labeled: a quality floor can be set
 
