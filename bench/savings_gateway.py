@@ -64,7 +64,8 @@ def prepare_router(router: Path | None, profile: str, home: Path, out: Path) -> 
         labels = write_label_file(synthetic_examples(200, seed=1), out / "router-labels.jsonl")
         result = train_from_labels(labels, RouterEncoder(), home=home, folds=2, candidates=("hist_gb",))
     else:
-        labels = ROOT / "router_model" / "data" / "labels.jsonl"
+        from router_model.label import SHIPPED_LABELS as labels
+
         result = train_from_labels(labels, RouterEncoder(), home=home)
     return save_router(result.router, out / "router")
 

@@ -200,7 +200,8 @@ class RoutingStage:
         if settings.mode == "threshold":
             return settings.threshold, "policy", None
         if settings.mode == "quality_ratio":
-            found = router.threshold_for_floor(settings.floor)  # the floor, raised by a recalibration
+            # the floor (raised by a recalibration), on a curve that routes to tiny where this tenant may use it
+            found = router.threshold_for_floor(settings.floor, tiny=TINY in self._tiers(policy))
             if found is not None:
                 return found[0], "floor", found[1]
             return router.threshold, "global", router.large_share_for(None)

@@ -48,6 +48,39 @@ def threshold_for_quality_floor(
     return _threshold_at(np.sort(p), round(curve.shares[i] * len(p)))
 
 
+def threshold_for_ladder_floor(
+    p_small_ok: Sequence[float] | np.ndarray,
+    small_ok: Sequence[bool],
+    large_ok: Sequence[bool],
+    min_quality: float,
+    p_tiny_ok: Sequence[float] | np.ndarray,
+    tiny_ok: Sequence[bool | None],
+) -> tuple[float, float]:
+    """The lowest (cheapest) threshold whose three-tier routing keeps `min_quality` on these prompts, and
+    the share it sends large: each prompt goes tiny where P(tiny ok) reaches the threshold, else small
+    where P(small ok) does, else large (`router_model.model.cheapest_tier`), and scores its tier's verdict
+    (a prompt without a tiny verdict counts as tiny being wrong). Where no threshold reaches the floor,
+    the one with the best quality. The threshold is the midpoint between the chosen probability and the
+    next lower one, so unseen prompts near it fall on either side alike."""
+    p_small, p_tiny = np.asarray(p_small_ok, float), np.asarray(p_tiny_ok, float)
+    ok_small, ok_large = np.asarray(small_ok, bool), np.asarray(large_ok, bool)
+    ok_tiny = np.array([bool(v) for v in tiny_ok], bool)
+    if len(p_small) == 0:
+        raise ValueError("no prompts to calibrate on")
+    values = np.unique(np.concatenate([p_small, p_tiny, [0.0]]))
+    candidates = np.concatenate([values, [1.0 + 1e-9]])  # >= each probability, and above all of them
+    tiny = p_tiny[None, :] >= candidates[:, None]
+    small = ~tiny & (p_small[None, :] >= candidates[:, None])
+    quality = np.where(tiny, ok_tiny, np.where(small, ok_small, ok_large)).mean(axis=1)
+    meets = np.flatnonzero(quality >= min_quality - 1e-12)
+    i = int(meets[0]) if len(meets) else int(np.argmax(quality))
+    threshold = (
+        1.0 if i == len(candidates) - 1 else float(candidates[i] if i == 0 else (candidates[i - 1] + candidates[i]) / 2)
+    )
+    large = ~(p_tiny >= threshold) & ~(p_small >= threshold)
+    return threshold, float(large.mean())
+
+
 def large_share(p_small_ok: Sequence[float] | np.ndarray, threshold: float) -> float:
     """The share of these conversations that `threshold` sends to the large tier."""
     return float(np.mean(np.asarray(p_small_ok, float) < threshold))

@@ -42,6 +42,9 @@ from grading.graders import GRADERS, judge_messages, parse_verdict
 from router_model.label_store import Row, open_appender, read_rows
 
 DEFAULT_OUT = Path(__file__).parent / "data" / "labels.jsonl"
+# The largest shipped label file (all three tiers' verdicts where labeled): what routers are trained on by
+# default (`router train`, the gateway's first-start bootstrap); its labeling run resumes into it.
+SHIPPED_LABELS = Path(__file__).parent / "data" / "labels-full-run.jsonl"
 DEFAULT_LIMITS: dict[str, int | None] = {"gsm8k": 300}  # every item of the other sources
 MAX_TOKENS = 512
 CONCURRENCY = 24

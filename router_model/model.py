@@ -59,7 +59,7 @@ class Router:
     hidden_classifier: object | None = None
     cheaper: dict[str, tuple[object, object | None]] = field(default_factory=dict)
     # `threshold_for_floor` by ratio: a tenant's floor is asked on every routed request, the curve is fixed
-    _floors: dict[float, tuple[float, float] | None] = field(
+    _floors: dict[tuple[float, bool], tuple[float, float] | None] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
 
@@ -92,22 +92,31 @@ class Router:
     def threshold(self) -> float:
         return float(self.metadata.get("threshold", 0.5))
 
-    def threshold_for_floor(self, ratio: float) -> tuple[float, float] | None:
+    def threshold_for_floor(self, ratio: float, tiny: bool = False) -> tuple[float, float] | None:
         """(threshold, the share it sends large) holding `auto`'s quality to `ratio` of always-large's on the
         router's held-out curve: the fewest large calls whose quality there is at least ratio × the large
-        tier's. None for a router trained before the curve was kept."""
-        from router_model.calibrate import threshold_for_quality_floor
+        tier's. `tiny`: the tiny tier is on the ladder too (served and allowed), so the curve routes each
+        prompt as `cheapest_tier` would, tiny verdicts included (a router with a P(tiny_ok) keeps them on its
+        curve). None for a router trained before the curve was kept."""
+        from router_model.calibrate import threshold_for_ladder_floor, threshold_for_quality_floor
 
-        if ratio in self._floors:
-            return self._floors[ratio]
         curve = self.metadata.get("heldout_curve")
+        with_tiny = bool(tiny and curve and curve.get("p_tiny"))
+        if (ratio, with_tiny) in self._floors:
+            return self._floors[(ratio, with_tiny)]
         found = None
         if curve and curve.get("p"):
             p = np.asarray(curve["p"], float)
             large_ok = np.asarray(curve["large_ok"], bool)
-            threshold = threshold_for_quality_floor(p, curve["small_ok"], large_ok, ratio * float(large_ok.mean()))
-            found = threshold, float(np.mean(p < threshold))
-        self._floors[ratio] = found
+            target = ratio * float(large_ok.mean())
+            if with_tiny:
+                found = threshold_for_ladder_floor(
+                    p, curve["small_ok"], large_ok, target, curve["p_tiny"], curve["tiny_ok"]
+                )
+            else:
+                threshold = threshold_for_quality_floor(p, curve["small_ok"], large_ok, target)
+                found = threshold, float(np.mean(p < threshold))
+        self._floors[(ratio, with_tiny)] = found
         return found
 
     def threshold_for(self, tenant: str | None = None) -> float:

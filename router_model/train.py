@@ -159,6 +159,14 @@ def train_router(
             "large_ok": [bool(e.large_ok) for e in heldout],
         },
     }
+    if "tiny" in tiers:  # the tiny tier's held-out P(tiny_ok) and verdicts: a floor then counts tiny's answers too
+        text_tiny, hidden_tiny, _ = tiers["tiny"]
+        p_tiny = (predict_p_small_ok(hidden_tiny, hidden.heldout) if hidden_tiny is not None and hidden
+                  else predict_p_small_ok(text_tiny, x_held))  # fmt: skip
+        metadata["heldout_curve"] |= {
+            "p_tiny": [round(float(x), 6) for x in p_tiny],
+            "tiny_ok": [e.tiny_ok for e in heldout],
+        }
     router = Router(
         text.model, metadata, embedder, hidden_classifier=best.model if uses_hidden else None,
         cheaper={name: (t, h) for name, (t, h, _) in tiers.items()},

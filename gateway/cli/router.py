@@ -35,7 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     rlabel.set_defaults(handler=_router_label)
     where = {"help": "the router's directory (default: HOME/router)", "metavar": "DIR"}
     rtrain = router.add_parser("train", help="train on a label file; keeps the best of the candidate classifiers")
-    rtrain.add_argument("--labels", metavar="PATH", help="default: router label's (router_model/data/labels.jsonl)")
+    rtrain.add_argument(
+        "--labels", metavar="PATH", help="default: the shipped labels (router_model/data/labels-full-run.jsonl)"
+    )
     rtrain.add_argument("--router", **where)
     rtrain.add_argument("--test-size", type=float, default=0.2, help="held-out share, stratified by source")
     rtrain.add_argument("--seed", type=int, default=0)
@@ -119,7 +121,7 @@ def _router_train(args: argparse.Namespace) -> int:
     if args.labels:
         labels = Path(args.labels).expanduser()
     else:
-        from router_model.label import DEFAULT_OUT as labels
+        from router_model.label import SHIPPED_LABELS as labels
     if args.from_logs:  # the shipped labels (if any) and the live ones, as one file kept beside the router
         from gateway.shadow import labels_path
         from router_model.examples import merge_label_files

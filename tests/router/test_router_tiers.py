@@ -84,6 +84,39 @@ def test_tiny_tier_is_learned_and_used_from_the_hidden_state(embedder: Embedder)
     assert set(text_only) == {SMALL, "tiny"} and all(0 < p < 1 for p in text_only.values())
 
 
+def test_a_floor_with_tiny_on_the_ladder_counts_the_tiny_answers(embedder: Embedder) -> None:
+    """With tiny on the ladder the floor's threshold routes the held-out curve as `cheapest_tier` does, tiny
+    verdicts included: the quality it keeps is measured on tiny's answers too, and it is the cheapest
+    threshold that keeps it (the next lower candidate does not)."""
+    train, held = split()
+    router = train_router(train, held, embedder, candidates=FAST).router
+    curve = router.metadata["heldout_curve"]
+    assert len(curve["p_tiny"]) == len(curve["tiny_ok"]) == len(held)
+    p, p_tiny = np.asarray(curve["p"]), np.asarray(curve["p_tiny"])
+    ok = {SMALL: np.asarray(curve["small_ok"]), LARGE: np.asarray(curve["large_ok"]),
+          "tiny": np.asarray([bool(v) for v in curve["tiny_ok"]])}  # fmt: skip
+
+    def routed(t: float) -> tuple[float, float]:
+        tiers = [
+            cheapest_tier({"tiny": pt, SMALL: ps}, t, ["tiny", SMALL, LARGE]) for pt, ps in zip(p_tiny, p, strict=True)
+        ]
+        quality = np.mean([ok[tier][i] for i, tier in enumerate(tiers)])
+        return float(quality), float(np.mean([tier == LARGE for tier in tiers]))
+
+    for ratio in (0.8, 0.9, 0.95):
+        found = router.threshold_for_floor(ratio, tiny=True)
+        assert found is not None
+        threshold, share = found
+        quality, large = routed(threshold)
+        assert large == pytest.approx(share)
+        if quality < ratio * ok[LARGE].mean() - 1e-9:  # unreachable: then the best quality there is
+            assert all(routed(t)[0] <= quality + 1e-9 for t in np.linspace(0, 1, 51))
+            continue
+        lower = max([x for x in np.concatenate([p, p_tiny]) if x < threshold], default=None)
+        if lower is not None:  # one candidate cheaper: the floor is no longer kept
+            assert routed(lower)[0] < ratio * ok[LARGE].mean() - 1e-12
+
+
 def test_no_tiny_labels_no_tiny_prediction(embedder: Embedder) -> None:
     train, held = split_examples(synthetic_examples(300, seed=5), 0.3, seed=0)
     assert train_router(train, held, embedder, candidates=FAST).router.cheaper == {}
