@@ -151,6 +151,28 @@ def test_auto_picks_the_cheapest_tier_whose_predicted_success_meets_the_floor(
         assert p_ok == pytest.approx(expected, abs=0.02)  # bf16: batched and cached prefills differ a little
 
 
+def test_under_the_default_floor_tiny_serves_what_the_router_scores_as_easy(gateway: Gateway) -> None:
+    """Mode quality_ratio (the default's, here at a floor the synthetic curve can keep with tiny on it): the
+    threshold is the floor's on the curve that routes tiny too, and a prompt whose P(tiny ok) meets it is
+    served by tiny; one that the router scores as hard goes large."""
+    key = gateway.tenant(quality_ratio=0.8)  # the default policy's mode, a lower floor
+    found = load_router(gateway.router_dir).threshold_for_floor(0.8, tiny=True)
+    assert found is not None
+    threshold = found[0]
+    served = {}
+    for content in ["Hi! How are you today?", "Thanks, that is all.", LONG, *synthetic_prompts(12)]:
+        r = gateway.chat(key, content)
+        p_ok, _ = parse(r)
+        served[content] = r.headers["x-switchboard-tier"]
+        assert served[content] == cheapest_tier(p_ok, threshold, ["tiny", SMALL, LARGE]), (content, p_ok)
+    assert "tiny" in served.values() and "large" in served.values(), served
+
+
+def synthetic_prompts(n: int) -> list[str]:
+    """The synthetic labels' kinds of prompt (short chat, long arithmetic, many-requirement code)."""
+    return [str(e.messages[0]["content"]) for e in synthetic_examples(n, seed=21)]
+
+
 def test_the_routing_prefill_is_reused_and_gives_the_same_state_from_the_cache(gateway: Gateway) -> None:
     key = gateway.tenant(mode="threshold", threshold=0.0)  # everything meets the floor: tiny serves
     first = gateway.chat(key, LONG + " (1)")
