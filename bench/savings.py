@@ -3,6 +3,7 @@ right against sending everything to the large tier, and what the finance API say
 
     OMP_NUM_THREADS=2 .venv/bin/python -m bench.savings [--requests 800] [--seed 0] [--profile default|tiny]
         [--concurrency 32] [--time-scale 1] [--max-tokens N] [--router DIR] [--embedded] [--out DIR]
+        [--shadow-share S]
 
 The trace (`bench/savings_trace.py`, seeded): GSM8K, HumanEval, short facts, MT-bench first turns and chat
 openers, about 30% of them repeats or paraphrases of earlier requests, three tenants, arrivals in bursts
@@ -89,13 +90,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "sb-bench-savings")
     p.add_argument("--timeout", type=float, default=1800, help="seconds one request may take")
     p.add_argument("--grade-workers", type=int, default=2, help="HumanEval sandbox runs at once")
+    p.add_argument("--shadow-share", type=float, help="the default run's shadow share (default: the policy's 0.05)")
     return p.parse_args()
 
 
 def measure(args: argparse.Namespace, gw: Served, trace: list[Request], thresholds: dict[str, float]) -> Measured:
     """Both runs, the grading, the finance API's answer and the cross-check."""
     cap = max(1, round(0.75 * max(r.max_tokens for r in trace)))
-    tenants, ops, admin = gateway.create_tenants(gw.db_url, gateway.auto_policies(thresholds, cap))
+    tenants, ops, admin = gateway.create_tenants(gw.db_url, gateway.auto_policies(thresholds, cap), args.shadow_share)
     keys = {run: {role: tenants[(run, role)].key for role in ROLES} for run in RUNS}
     if not gateway.offers_auto(gw.url, keys["auto"]["balanced"]):
         raise SystemExit(f'the gateway offers no `model: "auto"` (see {gw.log}); nothing to compare')
@@ -174,7 +176,7 @@ def report(args: argparse.Namespace, trace: list[Request], m: Measured, router_d
           f"responses' usage against the ledger: {m.notes['usage']}")  # fmt: skip
     saved = sum(auto["saved"].values(), Decimal(0))
     return {
-        "requests": len(trace), "profile": args.profile, "seed": args.seed,
+        "requests": len(trace), "profile": args.profile, "seed": args.seed, "shadow_share": args.shadow_share,
         "accuracy_large": large["accuracy"], "accuracy_auto": auto["accuracy"],
         "accuracy_ratio": ratio(auto["accuracy"], large["accuracy"]),
         "cost_large": float(large["cost"]), "cost_auto": float(auto["cost"]),

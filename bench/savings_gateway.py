@@ -104,12 +104,14 @@ def auto_policies(thresholds: dict[str, float], cap: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def default_policy() -> Any:
+def default_policy(shadow_share: float | None = None) -> Any:
     """The `default` run's tenants: the built-in default policy (a 0.95 quality floor, 5% shadow runs, code
-    checks with a cascade), with only the bench's far-off budgets and rate limits added."""
-    from policies.policy import Policy
+    checks with a cascade), with only the bench's far-off budgets and rate limits added; `shadow_share`
+    replaces the default's to measure the estimate on more verdicts."""
+    from policies.policy import Policy, RouterSettings
 
-    return Policy(**limits())
+    router = RouterSettings() if shadow_share is None else RouterSettings(shadow_share=shadow_share)
+    return Policy(router=router, **limits())
 
 
 def _no_checks() -> Any:
@@ -134,7 +136,9 @@ class Tenant:
     policy: Any  # policies.policy.Policy
 
 
-def create_tenants(db_url: str, auto: dict[str, Any]) -> tuple[dict[tuple[str, str], Tenant], str, str]:
+def create_tenants(
+    db_url: str, auto: dict[str, Any], shadow_share: float | None = None
+) -> tuple[dict[tuple[str, str], Tenant], str, str]:
     """Tenants for each run and role, a judge tenant, and the operator's finance and admin keys."""
     from core.db.database import Database
     from gateway.tenants import create_tenant, tenant_by_name
@@ -144,7 +148,9 @@ def create_tenants(db_url: str, auto: dict[str, Any]) -> tuple[dict[tuple[str, s
     db = Database(db_url)
     suffix = uuid.uuid4().hex[:6]
     plan = [("large", role, large_policy()) for role in ROLES]
-    plan += [("auto", role, auto[role]) for role in ROLES] + [("default", role, default_policy()) for role in ROLES]
+    plan += [("auto", role, auto[role]) for role in ROLES] + [
+        ("default", role, default_policy(shadow_share)) for role in ROLES
+    ]
     plan += [("judge", "judge", Policy(verifiers=_no_checks(), **limits()))]
     tenants = {}
     try:

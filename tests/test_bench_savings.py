@@ -132,7 +132,7 @@ def test_savings_runs_end_to_end_on_the_tiny_profile(tmp_path: Path, postgres_se
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SWITCHBOARD_TEST_POSTGRES_URL": postgres_server,
            "SWITCHBOARD_TEST_REDIS_URL": redis_server, "SWITCHBOARD_SHADOW_RUNS": "true"}  # fmt: skip
     cmd = [sys.executable, "-m", "bench.savings", "--profile", "tiny", "--requests", "24", "--max-tokens", "16",
-           "--concurrency", "8", "--time-scale", "0", "--out", str(tmp_path)]  # fmt: skip
+           "--concurrency", "8", "--time-scale", "0", "--shadow-share", "1", "--out", str(tmp_path)]  # fmt: skip
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=800)
     assert done.returncode == 0, done.stderr[-4000:]
     r = json.loads(done.stdout.strip().splitlines()[-1])
@@ -145,6 +145,8 @@ def test_savings_runs_end_to_end_on_the_tiny_profile(tmp_path: Path, postgres_se
     assert set(r["estimated_quality_ratio"]) == {"saver", "balanced", "quality"}
     for found in r["estimated_quality_ratio"].values():
         assert set(found) == {"estimate", "low", "high", "judged", "graded"} and found["judged"] >= 0
+    # every tiny- and small-served answer of the default run is shadow-run: the tenants have verdicts
+    assert sum(found["judged"] for found in r["estimated_quality_ratio"].values()) >= 1
     assert 0 < r["cost_ratio"] < 1  # the small tier costs less, and a cache hit nothing
     assert r["accuracy_ratio"] is None or r["accuracy_ratio"] >= 0
     assert r["route_p50_ms"] is not None and r["route_p50_ms"] > 0
