@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from engines.async_engine import AsyncEngine
+from cpu_features import BF16_BATCH_VARIES
 from live import LiveServer
 
 ASK = [{"role": "user", "content": "Name the capital of France."}]
@@ -54,6 +55,7 @@ def test_chat_logprobs_are_transformers_log_softmax(
     assert [e.token for e in entries[0].top_logprobs] == [tok.token_bytes(i).decode() for i in top.indices.tolist()]
 
 
+@BF16_BATCH_VARIES  # the shared engine is bf16: on AMX a decode step of 4 rows may round otherwise than 1
 def test_the_numbers_do_not_depend_on_batching_or_streaming(client: openai.OpenAI) -> None:
     alone = chat(client, logprobs=True, top_logprobs=2).choices[0].logprobs.content
     others = [[{"role": "user", "content": q}] for q in ("Count to five.", "Say hello.", "What is 2 + 2?")]
