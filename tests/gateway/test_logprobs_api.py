@@ -13,9 +13,9 @@ import httpx
 import openai
 import pytest
 import torch
+from cpu_features import BF16_BATCH_VARIES
 
 from engines.async_engine import AsyncEngine
-from cpu_features import BF16_BATCH_VARIES
 from live import LiveServer
 
 ASK = [{"role": "user", "content": "Name the capital of France."}]
