@@ -176,6 +176,8 @@ class RoutingStage:
         p_ok = {tier: min(p[tier] for p in scored) for tier in scored[0]}  # the hardest conversation decides
         threshold, source, expected = self.threshold(policy, principal.tenant_name)
         ladder = [t for t in LADDER if t in self.engines]
+        if policy.router.mode == "large_share":  # a share of large calls, calibrated on P(small ok): small or large
+            ladder, tiers = [t for t in ladder if t != TINY], [t for t in tiers if t != TINY] or tiers
         choice = cheapest_tier(p_ok, threshold, ladder)  # the router's own choice, before the policy's tiers
         self.drift.add(choice == LARGE, expected)
         self.tenant_drift.setdefault(principal.tenant_name, LargeShareWindow()).add(choice == LARGE, expected)

@@ -78,12 +78,13 @@ class Gateway:
     live: LiveServer
     router_dir: Path
 
-    def tenant(self, **router: object) -> str:
+    def tenant(self, allowed_tiers: list[str] | None = None, **router: object) -> str:
         name = f"t-{uuid.uuid4().hex[:10]}"
         issued = create_tenant(self.live.db, name)
         found = tenant_by_name(self.live.db, name)
         assert found is not None
-        app_services(self.live.app).policies.save(found.id, Policy(router=RouterSettings(**router)), "test")  # type: ignore[arg-type]
+        policy = Policy(router=RouterSettings(**router), allowed_tiers=allowed_tiers)  # type: ignore[arg-type]
+        app_services(self.live.app).policies.save(found.id, policy, "test")
         return issued.key
 
     def chat(self, key: str, content: str) -> httpx.Response:
@@ -166,6 +167,19 @@ def test_under_the_default_floor_tiny_serves_what_the_router_scores_as_easy(gate
         served[content] = r.headers["x-switchboard-tier"]
         assert served[content] == cheapest_tier(p_ok, threshold, ["tiny", SMALL, LARGE]), (content, p_ok)
     assert "tiny" in served.values() and "large" in served.values(), served
+
+
+def test_a_calibrated_large_share_routes_between_small_and_large_only(gateway: Gateway) -> None:
+    """Mode large_share: its threshold was calibrated on P(small ok) for a share of large calls, so tiny (whose
+    P(tiny ok) it never saw) is not on its ladder; a tenant allowed tiny alone is still served by tiny."""
+    router = load_router(gateway.router_dir)
+    key = gateway.tenant(mode="large_share")  # no calibration of its own: the router's global threshold
+    for content in ["Hi! How are you today?", "Thanks, that is all.", *synthetic_prompts(6)]:
+        r = gateway.chat(key, content)
+        p_ok, _ = parse(r)
+        assert r.headers["x-switchboard-tier"] == cheapest_tier(p_ok, router.threshold, [SMALL, LARGE]), content
+    only_tiny = gateway.tenant(mode="large_share", allowed_tiers=["tiny"])
+    assert gateway.chat(only_tiny, "Hi! How are you today?").headers["x-switchboard-tier"] == "tiny"
 
 
 def synthetic_prompts(n: int) -> list[str]:
