@@ -159,19 +159,25 @@ def train_router(
             "large_ok": [bool(e.large_ok) for e in heldout],
         },
     }
-    if "tiny" in tiers:  # the tiny tier's held-out P(tiny_ok) and verdicts: a floor then counts tiny's answers too
-        text_tiny, hidden_tiny, _ = tiers["tiny"]
-        p_tiny = (predict_p_small_ok(hidden_tiny, hidden.heldout) if hidden_tiny is not None and hidden
-                  else predict_p_small_ok(text_tiny, x_held))  # fmt: skip
-        metadata["heldout_curve"] |= {
-            "p_tiny": [round(float(x), 6) for x in p_tiny],
-            "tiny_ok": [e.tiny_ok for e in heldout],
-        }
+    metadata["heldout_curve"] |= _tiny_curve(tiers["tiny"], x_held, hidden, heldout) if "tiny" in tiers else {}
     router = Router(
         text.model, metadata, embedder, hidden_classifier=best.model if uses_hidden else None,
         cheaper={name: (t, h) for name, (t, h, _) in tiers.items()},
     )  # fmt: skip
     return TrainResult(router, scores, list(heldout), held_p)
+
+
+def _tiny_curve(
+    tiny: tuple[object, object | None, dict], x_held: np.ndarray, hidden: HiddenData | None, heldout: Sequence[Example]
+) -> dict[str, list]:
+    """The tiny tier's held-out P(tiny_ok) (from the hidden state where its model reads one) and verdicts, kept
+    on the curve so that a quality floor counts tiny's answers too."""
+    text_tiny, hidden_tiny, _ = tiny
+    if hidden_tiny is not None and hidden is not None:
+        p_tiny = predict_p_small_ok(hidden_tiny, hidden.heldout)
+    else:
+        p_tiny = predict_p_small_ok(text_tiny, x_held)
+    return {"p_tiny": [round(float(x), 6) for x in p_tiny], "tiny_ok": [e.tiny_ok for e in heldout]}
 
 
 def _select(
