@@ -277,16 +277,11 @@ class RoutingStage:
                 out["hidden_states"] = dict(self.hidden.counts)
         out["drift"] = self.drift.shares().as_dict() if tenants is None else None
         out["tenants"] = {
-            name: window.shares().as_dict() | {"quality": self._quality(name)}
+            name: window.shares().as_dict() | {"quality": self.floor.summary(name)}
             for name, window in sorted(self.tenant_drift.items())
             if tenants is None or name in tenants
         }
         return out
-
-    def _quality(self, tenant: str) -> dict[str, object] | None:
-        """The tenant's estimated quality against always-large (`router_model.quality`) from its shadow
-        verdicts and its served tiers, beside its floor; None before its first routed request."""
-        return self.floor.summary(tenant)
 
     async def close(self) -> None:
         if self.relabeler is not None:

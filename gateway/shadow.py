@@ -84,9 +84,9 @@ class ShadowJob:
     key_id: int
     policy: Versioned
     messages: list[dict[str, str]]
-    small_text: str  # the served tier's answer (tiny's where `served` is tiny)
-    small_tokens: int
-    small_finish: str | None
+    answer_text: str  # the served tier's answer
+    answer_tokens: int
+    answer_finish: str | None
     max_tokens: int  # what the live request was allowed
     served: str = SMALL  # the tier that answered
 
@@ -102,9 +102,9 @@ class ShadowJob:
             key_id=caller.principal.key_id,
             policy=caller.policy,
             messages=[{"role": str(m["role"]), "content": str(m["content"])} for m in plan.conversations[0]],
-            small_text=outcome.texts[0],
-            small_tokens=outcome.choice_tokens[0],
-            small_finish=outcome.finish_reasons[0],
+            answer_text=outcome.texts[0],
+            answer_tokens=outcome.choice_tokens[0],
+            answer_finish=outcome.finish_reasons[0],
             max_tokens=plan.work.requests[0].params.max_tokens,
             served=outcome.served.name,
         )
@@ -207,9 +207,9 @@ class Relabeler:
             if reservation is None:
                 return None
         spent, status = _Spent(), "ok"
-        small_ok, verdict = False, None
+        good_enough, verdict = False, None
         try:
-            small_ok, verdict = await self._compare(engine, rid, prompt, max_tokens, job, spent)
+            good_enough, verdict = await self._compare(engine, rid, prompt, max_tokens, job, spent)
         except _Failed:
             status = "error"
         except asyncio.CancelledError:
@@ -224,7 +224,7 @@ class Relabeler:
                 await self.meter.bill_shadow(usage, reservation)
         if status != "ok":
             return None
-        row = self._row(job, len(prompt), spent, small_ok, verdict, time.perf_counter() - clock, started)
+        row = self._row(job, len(prompt), spent, good_enough, verdict, time.perf_counter() - clock, started)
         await anyio.to_thread.run_sync(self._append, row)
         if self.on_verdict is not None:
             await self.on_verdict(job.tenant_id, job.tenant)
@@ -233,7 +233,7 @@ class Relabeler:
     async def _reserve(self, job: ShadowJob, rid: str, prompt: int, max_tokens: int) -> Reservation | None:
         """A billed run's worst case (answer and judge), reserved like a request's; None if refused."""
         policy = job.policy.policy
-        judge_prompt = prompt + max_tokens + job.small_tokens + JUDGE_TEMPLATE_TOKENS
+        judge_prompt = prompt + max_tokens + job.answer_tokens + JUDGE_TEMPLATE_TOKENS
         completion = max_tokens + JUDGE_MAX_TOKENS
         money = worst_case(policy, LARGE, prompt + judge_prompt, completion)
         try:
@@ -247,18 +247,18 @@ class Relabeler:
     async def _compare(
         self, engine: TierEngine, rid: str, prompt: list[int], max_tokens: int, job: ShadowJob, spent: _Spent
     ) -> tuple[bool, str | None]:
-        """The large tier's answer, then (unless identical) the judge's verdict on the small tier's:
-        (small_ok, the verdict's text). What ran goes into `spent` as it finishes, failed runs included."""
+        """The large tier's answer, then (unless identical) the judge's verdict on the served tier's: (good
+        enough, the verdict's text). What ran goes into `spent` as it finishes, failed runs included."""
         try:
             spent.large = await self._generate(engine, f"{rid}-large", prompt, max_tokens, job.tenant_id)
         except _Failed as failed:
             spent.large = failed.answer
             raise
-        if spent.large.text.strip() == job.small_text.strip():
+        if spent.large.text.strip() == job.answer_text.strip():
             return True, None
         question = split_conversation(job.messages)[0]
         judging = await anyio.to_thread.run_sync(
-            engine.tokenizer.encode_chat, judge_messages(question, spent.large.text, job.small_text)
+            engine.tokenizer.encode_chat, judge_messages(question, spent.large.text, job.answer_text)
         )
         try:
             engine.check(judging, JUDGE_MAX_TOKENS)
@@ -300,7 +300,7 @@ class Relabeler:
         job: ShadowJob,
         prompt: int,
         spent: _Spent,
-        small_ok: bool,
+        good_enough: bool,
         verdict: str | None,
         seconds: float,
         started: float,
@@ -311,16 +311,16 @@ class Relabeler:
             "id": f"live/{job.request_id}",
             "source": "live",
             "served": served,
-            f"{served}_ok": small_ok,
+            f"{served}_ok": good_enough,
             "large_ok": True,  # the reference, as for open chat in `router label`
         }
         if served == SMALL:
-            row["label"] = small_ok
+            row["label"] = good_enough
         row |= {
             "prompt_tokens": prompt,
-            f"{served}_tokens": job.small_tokens,
+            f"{served}_tokens": job.answer_tokens,
             "large_tokens": large.tokens,
-            f"{served}_finish": job.small_finish,
+            f"{served}_finish": job.answer_finish,
             "large_finish": large.finish,
             "seconds": round(seconds, 3),
             "judge": verdict,
