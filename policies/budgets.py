@@ -116,6 +116,11 @@ class Budgets:
         """A rebuild of the counters from SQL is running in the background (after an outage)."""
         return self._repair is not None
 
+    @property
+    def backing_off(self) -> bool:
+        """The counters failed within the last RETRY_AFTER seconds: limited requests are refused (503) meanwhile."""
+        return time.monotonic() < self._down_until
+
     def version_key(self, tenant_id: int) -> str:
         """Bumped by every reservation and settlement of the tenant: a rebuild's check that none raced it."""
         return f"{self.ns}:spend:{tenant_id}:version"

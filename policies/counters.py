@@ -22,6 +22,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 
 @dataclass(frozen=True)
@@ -71,11 +74,13 @@ class Counters(Protocol):
     async def close(self) -> None: ...
 
 
-# ARGV: reservations hash, reservation id, its record, then one JSON array of [amount, limit ('' for
-# none), ttl, seeded ('1'/'0')] per KEYS, as strings (Lua's doubles would round large amounts). One
-# packed argument instead of four per counter: building and parsing ~45 arguments per request was the
-# largest single cost of a cache hit in redis-py.
+# A reservation already listed is not added again: the client resends a command whose connection broke
+# (below), and the first send may have run. ARGV: reservations hash, reservation id, its record, then one
+# JSON array of [amount, limit ('' for none), ttl, seeded ('1'/'0')] per KEYS, as strings (Lua's doubles
+# would round large amounts). One packed argument instead of four per counter: building and parsing ~45
+# arguments per request was the largest single cost of a cache hit in redis-py.
 _RESERVE = """
+if redis.call('HEXISTS', ARGV[1], ARGV[2]) == 1 then return {0} end
 local n = #KEYS
 local spec = cjson.decode(ARGV[4])
 local missing = {}
@@ -138,6 +143,11 @@ class RedisCounters:
         # Bounded socket timeouts: a dead Redis must cost a request about a second, not minutes; the connect
         # timeout is not shorter because a burst opening the whole pool at once on a busy machine can take
         # a few hundred ms, and a timeout here fails budgeted requests closed (the caches use 0.25 s: a miss).
+        # A command whose pooled connection is broken is sent once more on a new one: after Redis restarts,
+        # every pooled socket is dead, and without the resend each would fail a budgeted request and start
+        # a second of backing off (one per socket). Only ConnectionError: a timeout may mean it ran slowly.
+        # Every script is safe to resend: reserve skips a listed reservation, settle deletes it first,
+        # rebuild compares the version.
         pool = aioredis.BlockingConnectionPool.from_url(
             url,
             max_connections=max_connections,
@@ -145,6 +155,7 @@ class RedisCounters:
             decode_responses=True,
             socket_connect_timeout=1.0,
             socket_timeout=2.0,
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
         )
         self.redis = aioredis.Redis(connection_pool=pool)
         self.namespace = namespace
@@ -226,6 +237,8 @@ class LocalCounters:
     async def reserve(self, resv_id: str, items: list[Item]) -> Refused | None:
         now = time.time()
         with self._lock:
+            if resv_id in self._reservations:  # listed already: counted once (as the Redis script does)
+                return None
             missing = [it.key for it in items if it.seeded and self._live(it.key, now) is None]
             if missing:
                 raise Missing(missing)

@@ -212,6 +212,34 @@ def test_counters_rebuilt_exactly_after_redis_comes_back_empty(
     asyncio.run(run())
 
 
+def test_budgeted_requests_are_admitted_as_soon_as_redis_is_back(
+    database: Database, own_redis: services.RedisServer
+) -> None:
+    """Every pooled connection is dead after Redis restarts. Each is replaced as it is used, without
+    failing the request it carries or starting a backoff: a budget is refused only while Redis is down."""
+    tenant = tenant_by_name(database, create_tenant(database, "acme").tenant)
+    assert tenant is not None
+    hard = Policy.model_validate({"budgets": [{"period": "daily", "money": "100"}]})
+
+    async def run() -> None:
+        budgets = Budgets(database, RedisCounters(own_redis.url, "t"), "t")
+
+        async def admit_many(tag: str) -> list:
+            return await asyncio.gather(
+                *(budgets.admit(f"{tag}{i}", hard, tenant.id, 0, Decimal("0.01"), 1) for i in range(8))
+            )
+
+        await admit_many("before")  # eight pooled connections
+        own_redis.stop()
+        own_redis.start()  # empty, on the same port: the pool's sockets are all closed by the old server
+        after = await admit_many("after")
+        assert all(r.items for r in after)  # counted, none refused
+        assert await budgets.counters.outstanding() and not budgets.backing_off
+        await budgets.counters.close()
+
+    asyncio.run(run())
+
+
 @pytest.mark.slow
 def test_redis_restarting_under_load(
     small_engine: AsyncEngine, postgres_url: str, own_redis: services.RedisServer, tmp_path: Path

@@ -121,6 +121,22 @@ def test_reservations_are_all_or_nothing_under_concurrency(counters: LocalCounte
     asyncio.run(run())
 
 
+def test_a_reservation_sent_twice_counts_once(counters: LocalCounters | RedisCounters) -> None:
+    """The Redis client resends a command whose connection broke, and the first send may have run."""
+    ns = getattr(counters, "namespace", "local")
+
+    async def run() -> None:
+        key = f"{ns}:once"
+        assert await counters.reserve("twice", [Item(key, 5, 100)]) is None
+        assert await counters.reserve("twice", [Item(key, 5, 100)]) is None
+        assert await counters.get(key) == 5 and list(await counters.outstanding()) == ["twice"]
+        assert await counters.settle("twice", [(key, -2)]) and await counters.get(key) == 3
+        assert not await counters.settle("twice", [(key, -2)]) and await counters.get(key) == 3  # settled once
+        await counters.close()
+
+    asyncio.run(run())
+
+
 def _usage(who: object, rid: str, cost: str, tokens: tuple[int, int], tier: str = "small", **kw: object) -> UsageRecord:
     return UsageRecord.from_columns(
         rid, who.tenant_id, who.key_id, "chat.completions", "m", tier, tokens[0], tokens[1], 5, "ok", "stop",
