@@ -65,6 +65,12 @@ log = logging.getLogger(__name__)
 
 LABELS_FILE = "router-labels.jsonl"
 SHADOW_PRIORITY = 1  # live requests run at 0: a shadow run waits behind them
+# A new tenant's first verdicts are drawn at half its cheaper answers or more: at 5% an 800-request day gave
+# 2-7 verdicts a tenant (docs/savings.md), an interval 0.3-0.6 wide. With 50 (`shadow_warmup`) the 95%
+# interval is ±0.043 where half the answers are small-served and 90% good enough, ±0.066 split over small
+# and tiny (router_model.quality.estimate; ±0.068 / ±0.105 at 20). At this share they take ~100 cheaper
+# answers, and cost the operator 50 large runs and judges once per tenant and recalibration.
+WARMUP_SHARE = 0.5
 JUDGE_TEMPLATE_TOKENS = 256  # the judge prompt's own words, over the question and both answers (a bound)
 
 
@@ -153,6 +159,7 @@ class Relabeler:
         self._rng = rng or random.Random()
         self._append_lock = threading.Lock()  # rows from concurrent runs never interleave
         self._tasks: set[asyncio.Task[Row | None]] = set()
+        self._running: dict[str, int] = {}  # tenant → shadow runs under way (the event loop's thread only)
         self.verdicts = TenantVerdicts()  # per tenant: the shadow verdicts so far, the log's included
         self.on_verdict: Callable[[int, str], Awaitable[object]] | None = None  # (tenant id, name) after each row
         try:
@@ -160,10 +167,20 @@ class Relabeler:
         except ValueError as exc:  # a damaged log: the estimates start over rather than the gateway failing
             log.warning("tenant quality estimates start empty: %s", exc)
 
-    def wants(self, policy: Versioned, served_by: str) -> bool:
-        """Whether this tiny- or small-tier answer is drawn for a shadow run (the policy's share; shadow runs
-        on; a large tier to run on)."""
-        share = policy.policy.router.shadow_share
+    def share(self, policy: Versioned, tenant: str) -> float:
+        """The share of the tenant's cheaper answers drawn now: the policy's, or WARMUP_SHARE while the tenant
+        has fewer than `shadow_warmup` verdicts (runs under way included) since its last recalibration."""
+        router = policy.policy.router
+        if router.shadow_share <= 0:  # the tenant turned the estimate off: no warm-up either
+            return 0.0
+        since = router.recalibration.judged if router.recalibration is not None else 0
+        fresh = max(0, self.verdicts.judged(tenant) - since) + self._running.get(tenant, 0)
+        return max(router.shadow_share, WARMUP_SHARE) if fresh < router.shadow_warmup else router.shadow_share
+
+    def wants(self, policy: Versioned, served_by: str, tenant: str) -> bool:
+        """Whether this tiny- or small-tier answer is drawn for a shadow run (`share`; shadow runs on; a large
+        tier to run on)."""
+        share = self.share(policy, tenant)
         large = self.engines.get(LARGE)
         if served_by not in (TINY, SMALL) or share <= 0 or not self.settings.shadow_runs:
             return False
@@ -171,14 +188,23 @@ class Relabeler:
 
     def offer(self, plan: Plan, outcome: Outcome) -> None:
         """A routed chat request's fresh answer, once it went out: shadow-run it if it is drawn (`wants`)."""
-        if self.wants(plan.caller.policy, outcome.served.name):
+        if self.wants(plan.caller.policy, outcome.served.name, plan.caller.principal.tenant_name):
             self.submit(ShadowJob.of(plan, outcome))
 
     def submit(self, job: ShadowJob) -> None:
         """Start the run in the background; the caller's response is already out."""
+        self._running[job.tenant] = self._running.get(job.tenant, 0) + 1
         task = asyncio.get_running_loop().create_task(self.run(job), name=f"shadow {job.request_id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda _: self._ran(job.tenant))
+
+    def _ran(self, tenant: str) -> None:
+        left = self._running.get(tenant, 0) - 1
+        if left > 0:
+            self._running[tenant] = left
+        else:
+            self._running.pop(tenant, None)
 
     async def run(self, job: ShadowJob) -> Row | None:
         """Run, judge, account and log one shadow run; the label row, or None if there is none. Never raises."""

@@ -86,6 +86,13 @@ class RouterSettings(_Strict):
         le=1.0,
         description="share of routed tiny- and small-tier answers re-run on the large tier and judged (the estimate)",
     )
+    shadow_warmup: int = Field(
+        50,
+        ge=0,
+        le=10_000,
+        description="until the tenant has this many verdicts since its last recalibration, answers are drawn at "
+        "half or more (gateway.shadow.WARMUP_SHARE) so that its estimate is worth reading early; 0: no warm-up",
+    )
     shadow_billed: bool = Field(False, description="shadow runs are priced and count against the budgets")
 
     @property

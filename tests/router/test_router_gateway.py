@@ -370,6 +370,7 @@ def test_a_new_tenant_is_held_to_the_default_quality_floor(gateway: Gateway) -> 
         0.95,
         0.05,
     )
+    assert router.shadow_warmup == 50
     assert checks.checks == ["prompt_examples"] and checks.cascade and checks.cascade_to == "large"
     stage = running_pipeline(gateway.live.app).routing
     implied = load_router(gateway.router_dir).threshold_for_floor(0.95)
@@ -420,6 +421,35 @@ def test_a_tenant_measured_short_of_its_floor_is_recalibrated_toward_large(gatew
     assert summary["estimate"] is None  # no verdict since
 
 
+def test_a_new_tenant_s_first_verdicts_are_drawn_at_the_warm_up_share(gateway: Gateway) -> None:
+    """Until a tenant has `shadow_warmup` verdicts since its last recalibration, half its cheaper answers or
+    more are drawn, so that its estimate means something early; then the policy's share; a recalibration
+    starts the warm-up again; a share of 0 turns it off."""
+    from gateway.shadow import WARMUP_SHARE
+
+    name, _, tenant_id = gateway.tenant(shadow_share=0.05, shadow_warmup=3)
+    policies = app_services(gateway.live.app).policies
+    relabeler = running_pipeline(gateway.live.app).routing.relabeler
+    assert relabeler is not None and WARMUP_SHARE == 0.5
+    current = policies.current(tenant_id)
+    assert relabeler.share(current, name) == WARMUP_SHARE
+    relabeler._running[name] = 1  # a run under way counts toward the warm-up
+    for _ in range(2):
+        relabeler.verdicts.add(name, True)
+    assert relabeler.share(current, name) == 0.05
+    relabeler._ran(name)
+    assert relabeler.share(current, name) == WARMUP_SHARE and name not in relabeler._running
+    relabeler.verdicts.add(name, True)
+    assert relabeler.share(current, name) == 0.05
+    body = current.policy.model_dump(mode="json")
+    body["router"]["recalibration"] = {"offset": 0.01, "judged": 3, "ratio": 0.9, "high": 0.94}
+    recalibrated = policies.save(tenant_id, Policy.model_validate(body), "test")
+    assert relabeler.share(policies.current(tenant_id), name) == WARMUP_SHARE  # fresh verdicts count again
+    body["router"]["shadow_share"] = 0.0
+    assert recalibrated < policies.save(tenant_id, Policy.model_validate(body), "test")
+    assert relabeler.share(policies.current(tenant_id), name) == 0.0
+
+
 def test_a_tiny_answer_is_judged_and_counted_for_its_tier(gateway: Gateway) -> None:
     """Shadow runs take tiny-served answers too: the row says which tier served and keeps its verdict
     under that tier's name (it trains no small-tier label), and the verdict counts for tiny."""
@@ -429,8 +459,8 @@ def test_a_tiny_answer_is_judged_and_counted_for_its_tier(gateway: Gateway) -> N
     key_id = authenticate(gateway.live.db, key).key_id
     policies = app_services(gateway.live.app).policies
     relabeler = running_pipeline(gateway.live.app).routing.relabeler
-    assert relabeler is not None and relabeler.wants(policies.current(tenant_id), "tiny")
-    assert not relabeler.wants(policies.current(tenant_id), "large")
+    assert relabeler is not None and relabeler.wants(policies.current(tenant_id), "tiny", name)
+    assert not relabeler.wants(policies.current(tenant_id), "large", name)
     rid = f"tiny-{uuid.uuid4().hex[:8]}"
     messages = [{"role": "user", "content": SIMPLE}]
     job = ShadowJob(rid, "chat.completions", tenant_id, name, key_id, policies.current(tenant_id), messages,
