@@ -31,9 +31,10 @@ over the auto run (the gateway records no per-request routing time), its median 
 The router: `--router DIR`, else for the default profile HOME/router if it loads, else one trained first,
 on the shipped labels (minutes); `--profile tiny` (SmolLM2-135M as both `small` and `large`) trains one on
 synthetic labels (seconds).
-Writes to `--out`: the trace, every response (`large.jsonl`, `auto.jsonl`, as they come), the gateway's
-log and `savings.png` (accuracy against cost: the router's held-out threshold sweep, each tenant's
-threshold on it, the run's measured points). Prints a table per run and tenant; the last line is JSON:
+Writes to `--out`: the trace, every response (`large.jsonl`, `auto.jsonl`, `default.jsonl`, as they come),
+the grades (`grades.json`: run → true / false / null per request, in trace order), the gateway's log and
+`savings.png` (accuracy against cost: the router's held-out threshold sweep, each tenant's threshold on it,
+the run's measured points). Prints a table per run and tenant; the last line is JSON:
 `accuracy_ratio` and `cost_ratio` (auto / always-large), `default_accuracy_ratio`, `default_cost_ratio` and
 `tiny_share` (the default run), `estimated_quality_ratio` (per tenant: the gateway's estimate from its
 shadow runs beside the graded ratio, default run / always-large), `apgr` and `apgr_ci_low` (the router's
@@ -131,6 +132,7 @@ def measure(args: argparse.Namespace, gw: Served, trace: list[Request], threshol
     judged = grade.judge_chats(trace, results["large"], results["auto"], grades, judge)
     judged_default = grade.judge_chats(trace, results["large"], results["default"], grades, judge, run="default")
     judged = {k: judged[k] + judged_default[k] for k in judged}
+    (args.out / "grades.json").write_text(json.dumps(grades))  # run → per request, trace order: for later analysis
     names = {t.name: t for t in tenants.values() if t.run != "judge"}
     answered = sum(x.get("ok", False) for run in RUNS for x in results[run])
     rows = gateway.settle_ledger(gw.db_url, list(names), answered)
