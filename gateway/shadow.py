@@ -36,6 +36,7 @@ import logging
 import random
 import threading
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -159,7 +160,7 @@ class Relabeler:
         self._rng = rng or random.Random()
         self._append_lock = threading.Lock()  # rows from concurrent runs never interleave
         self._tasks: set[asyncio.Task[Row | None]] = set()
-        self._running: dict[str, int] = {}  # tenant → shadow runs under way (the event loop's thread only)
+        self._running: Counter[str] = Counter()  # tenant → shadow runs under way (the event loop's thread only)
         self.verdicts = TenantVerdicts()  # per tenant: the shadow verdicts so far, the log's included
         self.on_verdict: Callable[[int, str], Awaitable[object]] | None = None  # (tenant id, name) after each row
         try:
@@ -174,7 +175,7 @@ class Relabeler:
         if router.shadow_share <= 0:  # the tenant turned the estimate off: no warm-up either
             return 0.0
         since = router.recalibration.judged if router.recalibration is not None else 0
-        fresh = max(0, self.verdicts.judged(tenant) - since) + self._running.get(tenant, 0)
+        fresh = max(0, self.verdicts.judged(tenant) - since) + self._running[tenant]
         return max(router.shadow_share, WARMUP_SHARE) if fresh < router.shadow_warmup else router.shadow_share
 
     def wants(self, policy: Versioned, served_by: str, tenant: str) -> bool:
@@ -193,18 +194,16 @@ class Relabeler:
 
     def submit(self, job: ShadowJob) -> None:
         """Start the run in the background; the caller's response is already out."""
-        self._running[job.tenant] = self._running.get(job.tenant, 0) + 1
+        self._running[job.tenant] += 1
         task = asyncio.get_running_loop().create_task(self.run(job), name=f"shadow {job.request_id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         task.add_done_callback(lambda _: self._ran(job.tenant))
 
     def _ran(self, tenant: str) -> None:
-        left = self._running.get(tenant, 0) - 1
-        if left > 0:
-            self._running[tenant] = left
-        else:
-            self._running.pop(tenant, None)
+        self._running[tenant] -= 1
+        if self._running[tenant] <= 0:
+            del self._running[tenant]
 
     async def run(self, job: ShadowJob) -> Row | None:
         """Run, judge, account and log one shadow run; the label row, or None if there is none. Never raises."""

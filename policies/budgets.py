@@ -160,7 +160,7 @@ class Budgets:
             if tpm is not None:
                 items.append(Item(f"{self.ns}:rate:{scope}:{ident}:{minute}:tokens", worst_tokens, tpm, MINUTE_TTL))
         version = self.version_key(tenant_id)
-        backing_off = time.monotonic() < self._down_until
+        backing_off = self.backing_off
         try:
             if backing_off:
                 raise RedisError("budget counters are down (backing off)")
