@@ -1,7 +1,7 @@
 """`bench.savings`' grading, and its cross-check of the finance API against prices × usage.
 
 Grading: GSM8K by the exact final number, HumanEval by its unit tests in `grading.sandbox`, short facts by
-containment (`bench.savings_trace.grade_fact`); open chat (MT-bench, chats) as `switchboard router label`
+containment (`grading.facts.grade_fact`); open chat (MT-bench, chats) as `switchboard router label`
 grades it: the always-large answer is the reference and counts as right, and another answer is right when
 the large tier, judging with `grading.graders.judge_messages`, says it is as good (identical answers need no
 judge). A request that failed is wrong in its run; a chat whose always-large answer failed has no reference
@@ -23,7 +23,8 @@ from typing import Any
 
 import httpx
 
-from bench.savings_trace import Request, grade_fact
+from bench.savings_trace import Request
+from grading.facts import grade_fact
 
 TOLERANCE = 1e-6
 LEVERS = ("cache", "routing", "speculation", "verifier", "policy")

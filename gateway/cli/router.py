@@ -27,7 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     rlabel = router.add_parser("label", help="label shipped prompts by what the small and large tiers get right")
     rlabel.add_argument("--out", metavar="PATH", help="JSONL to add rows to (default: router_model/data/labels.jsonl)")
     rlabel.add_argument("--per-source", type=int, metavar="N", help="a seeded sample (default: 300 GSM8K, all else)")
-    rlabel.add_argument("--sources", nargs="+", choices=("gsm8k", "humaneval", "mtbench", "chat"), help="default: all")
+    rlabel.add_argument(
+        "--sources", nargs="+", choices=("gsm8k", "humaneval", "mtbench", "chat", "fact"), help="default: all"
+    )
     rlabel.add_argument("--seed", type=int, default=0, help="the sample's seed")
     rlabel.add_argument("--max-tokens", type=int, default=512, metavar="N", help="longest answer of either tier")
     rlabel.add_argument("--concurrency", type=int, default=24, metavar="N", help="items in flight at once")

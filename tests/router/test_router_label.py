@@ -50,7 +50,7 @@ def items(home: Path) -> dict[str, Item]:
 def test_sources_load_with_stable_ids(items: dict[str, Item], home: Path) -> None:
     counts = {s: sum(i.source == s for i in items.values()) for s in SOURCES}
     # 52: the 500 chats open with only that many distinct questions
-    assert counts == {"gsm8k": 1319, "humaneval": 164, "mtbench": 80, "chat": 52}
+    assert counts == {"gsm8k": 1319, "humaneval": 164, "mtbench": 80, "chat": 52, "fact": 430}
     assert items["gsm8k/0"].question.startswith("Janet’s ducks lay 16 eggs per day.")
     assert items["gsm8k/0"].grading["answer"].endswith("#### 18")
     assert items["humaneval/HumanEval-3"].grading["entry_point"] == "below_zero"
