@@ -3,7 +3,7 @@ right against sending everything to the large tier, and what the finance API say
 
     OMP_NUM_THREADS=2 .venv/bin/python -m bench.savings [--requests 800] [--seed 0] [--profile default|tiny]
         [--concurrency 32] [--time-scale 1] [--max-tokens N] [--router DIR] [--embedded] [--out DIR]
-        [--shadow-share S]
+        [--shadow-share S] [--runs large auto default]
 
 The trace (`bench/savings_trace.py`, seeded): GSM8K, HumanEval, short facts, MT-bench first turns and chat
 openers, about 30% of them repeats or paraphrases of earlier requests, three tenants, arrivals in bursts
@@ -93,7 +93,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=1800, help="seconds one request may take")
     p.add_argument("--grade-workers", type=int, default=2, help="HumanEval sandbox runs at once")
     p.add_argument("--shadow-share", type=float, help="the default run's shadow share (default: the policy's 0.05)")
-    return p.parse_args()
+    p.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS),
+                   help="which runs (default: all three); large, the baseline, always runs")  # fmt: skip
+    args = p.parse_args()
+    args.runs = [run for run in RUNS if run == "large" or run in args.runs]  # in replay order, baseline first
+    if args.runs == ["large"]:
+        p.error("--runs needs auto or default beside large: there is nothing to compare")
+    return args
 
 
 def measure(args: argparse.Namespace, gw: Served, trace: list[Request], thresholds: dict[str, float]) -> Measured:
@@ -101,13 +107,14 @@ def measure(args: argparse.Namespace, gw: Served, trace: list[Request], threshol
     cap = max(1, round(0.75 * max(r.max_tokens for r in trace)))
     tenants, ops, admin = gateway.create_tenants(gw.db_url, gateway.auto_policies(thresholds, cap), args.shadow_share)
     keys = {run: {role: tenants[(run, role)].key for role in ROLES} for run in RUNS}
-    if not gateway.offers_auto(gw.url, keys["auto"]["balanced"]):
+    if not gateway.offers_auto(gw.url, keys[args.runs[1]]["balanced"]):
         raise SystemExit(f'the gateway offers no `model: "auto"` (see {gw.log}); nothing to compare')
     first_day = datetime.now(UTC).date()
     results: dict[str, list[dict]] = {}
     common = {"concurrency": args.concurrency, "time_scale": args.time_scale, "timeout": args.timeout}
     route_p50 = None
-    for run, model in (("large", "large"), ("auto", "auto"), ("default", "auto")):
+    for run in args.runs:
+        model = "large" if run == "large" else "auto"
         before = gateway.route_histogram(gw.url)
         replay = gateway.replay(gw.url, trace, keys[run], model=model, no_store=run == "large",
                                 record=args.out / f"{run}.jsonl", desc=run, **common)  # fmt: skip
@@ -116,9 +123,11 @@ def measure(args: argparse.Namespace, gw: Served, trace: list[Request], threshol
             say(f"{run}: {len(failed)} of {len(trace)} requests failed, e.g. {[x['error'] for x in failed[:3]]}")
         if run == "auto":  # the auto run's decisions
             route_p50 = gateway.histogram_p50_ms(before, gateway.route_histogram(gw.url))
-    say("waiting for the default run's shadow runs")
-    default_names = {role: tenants[("default", role)].name for role in ROLES}
-    estimates = gateway.quality_estimates(gw.url, admin, default_names)
+    estimates: dict[str, Any] = {}
+    if "default" in args.runs:
+        say("waiting for the default run's shadow runs")
+        default_names = {role: tenants[("default", role)].name for role in ROLES}
+        estimates = gateway.quality_estimates(gw.url, admin, default_names)
     say("grading")
     grades = grade.grade_references(trace, results, args.grade_workers)
     judge_key = tenants[("judge", "judge")].key
@@ -129,12 +138,13 @@ def measure(args: argparse.Namespace, gw: Served, trace: list[Request], threshol
         asks = gateway.ask_large(gw.url, judge_key, conversations, JUDGE_MAX_TOKENS, args.concurrency, args.timeout)
         return asyncio.run(asks)
 
-    judged = grade.judge_chats(trace, results["large"], results["auto"], grades, judge)
-    judged_default = grade.judge_chats(trace, results["large"], results["default"], grades, judge, run="default")
-    judged = {k: judged[k] + judged_default[k] for k in judged}
+    judged: dict[str, int] = {}
+    for run in args.runs[1:]:
+        for k, n in grade.judge_chats(trace, results["large"], results[run], grades, judge, run=run).items():
+            judged[k] = judged.get(k, 0) + n
     (args.out / "grades.json").write_text(json.dumps(grades))  # run → per request, trace order: for later analysis
-    names = {t.name: t for t in tenants.values() if t.run != "judge"}
-    answered = sum(x.get("ok", False) for run in RUNS for x in results[run])
+    names = {t.name: t for t in tenants.values() if t.run in args.runs}
+    answered = sum(x.get("ok", False) for run in args.runs for x in results[run])
     rows = gateway.settle_ledger(gw.db_url, list(names), answered)
     finance = grade.finance_savings(gw.url, ops, first_day, datetime.now(UTC).date())
     ledger = grade.ledger_rows(gw.db_url, list(names))
@@ -142,7 +152,7 @@ def measure(args: argparse.Namespace, gw: Served, trace: list[Request], threshol
     problems = grade.crosscheck({n: finance[n] for n in names if n in finance}, ledger, policies)
     empty = {"requests": 0, **{k: Decimal(0) for k in grade.AMOUNTS}}
     by_role = {(t.run, t.role): finance.get(n, empty) for n, t in names.items()}
-    usage = grade.usage_agreement([x for run in RUNS for x in results[run]], ledger)
+    usage = grade.usage_agreement([x for run in args.runs for x in results[run]], ledger)
     notes = {**judged, "ledger_rows": rows, "usage": usage, "thresholds": thresholds, "saver_max_tokens_cap": cap,
              "estimates": estimates}  # fmt: skip
     return Measured(results, grades, by_role, problems, route_p50, notes)
@@ -155,34 +165,39 @@ def ratio(a: float | Decimal | None, b: float | Decimal | None) -> float | None:
 def report(args: argparse.Namespace, trace: list[Request], m: Measured, router_dir: Path) -> dict[str, Any]:
     """The tables, the PNG, and the summary that becomes the last line."""
     summaries: dict[str, dict[str, Any]] = {}
-    for run in RUNS:
+    for run in args.runs:
         for label, roles in ((f"{run}/", ROLES), *((f"{run}/{role}", (role,)) for role in ROLES)):
             finance = [m.finance[(run, r)] for r in roles]
             summaries[label] = summarize(trace, m.results[run], m.grades[run], finance, set(roles))
     title = f"Savings on one mixed trace: {len(trace)} requests, profile {args.profile}, seed {args.seed}"
     print_table(title, summaries)
-    large, auto = summaries["large/"], summaries["auto/"]
+    large = summaries["large/"]
+    # a run left out (--runs) reports nulls: the same keys in the last line either way
+    absent = {"accuracy": None, "cost": None, "tiers": {}, "hit_rate": 0.0, "saved": dict.fromkeys(LEVERS, Decimal(0)),
+              "counterfactual": None, "failed": None, "cascaded": None}  # fmt: skip
+    auto, default = summaries.get("auto/", absent), summaries.get("default/", absent)
     measured = {"always large (trace)": (1.0, large["accuracy"] or 0.0)}
-    measured["auto (trace)"] = (ratio(auto["cost"], large["cost"]) or 0.0, auto["accuracy"] or 0.0)
-    default = summaries["default/"]
-    measured["default policy (trace)"] = (ratio(default["cost"], large["cost"]) or 0.0, default["accuracy"] or 0.0)
-    for role in ROLES:
-        s, base = summaries[f"auto/{role}"], summaries[f"large/{role}"]
-        measured[f"auto, {role}"] = (ratio(s["cost"], base["cost"]) or 0.0, s["accuracy"] or 0.0)
+    if "auto" in args.runs:
+        measured["auto (trace)"] = (ratio(auto["cost"], large["cost"]) or 0.0, auto["accuracy"] or 0.0)
+        for role in ROLES:
+            s, base = summaries[f"auto/{role}"], summaries[f"large/{role}"]
+            measured[f"auto, {role}"] = (ratio(s["cost"], base["cost"]) or 0.0, s["accuracy"] or 0.0)
+    if "default" in args.runs:
+        measured["default policy (trace)"] = (ratio(default["cost"], large["cost"]) or 0.0, default["accuracy"] or 0.0)
     sweep = heldout_sweep(router_dir, args.home.expanduser())
     if sweep is None:
         say("the router's label file is gone or it held nothing out: the plot has no held-out sweep")
     png = plot(sweep, m.notes["thresholds"], measured, args.out / "savings.png",
                f"Cost against accuracy, {len(trace)} requests ({args.profile})")  # fmt: skip
     print(f"\nplot: {png}\nrouting thresholds: {json.dumps(m.notes['thresholds'])}")
-    print(f"judge: {m.notes['judged']} judged, {m.notes['judge_failed']} failed; "
+    print(f"judge: {m.notes.get('judged', 0)} judged, {m.notes.get('judge_failed', 0)} failed; "
           f"responses' usage against the ledger: {m.notes['usage']}")  # fmt: skip
     saved = sum(auto["saved"].values(), Decimal(0))
     return {
         "requests": len(trace), "profile": args.profile, "seed": args.seed, "shadow_share": args.shadow_share,
         "accuracy_large": large["accuracy"], "accuracy_auto": auto["accuracy"],
         "accuracy_ratio": ratio(auto["accuracy"], large["accuracy"]),
-        "cost_large": float(large["cost"]), "cost_auto": float(auto["cost"]),
+        "cost_large": float(large["cost"]), "cost_auto": None if auto["cost"] is None else float(auto["cost"]),
         "cost_ratio": ratio(auto["cost"], large["cost"]),
         **router_figures(router_dir), "route_p50_ms": m.route_p50_ms,
         "hit_rate": round(auto["hit_rate"], 4), "large_share": round(auto["tiers"].get("large", 0.0), 4),
@@ -191,10 +206,12 @@ def report(args: argparse.Namespace, trace: list[Request], m: Measured, router_d
         "default_accuracy_ratio": ratio(default["accuracy"], large["accuracy"]),
         "default_cost_ratio": ratio(default["cost"], large["cost"]),
         "tiny_share": round(default["tiers"].get("tiny", 0.0), 4),
-        "estimated_quality_ratio": estimated_quality(summaries, m.notes["estimates"]),
+        "estimated_quality_ratio": (
+            estimated_quality(summaries, m.notes["estimates"]) if "default" in args.runs else None
+        ),
         "failed_large": large["failed"], "failed_auto": auto["failed"], "failed_default": default["failed"],
         "cascaded": auto["cascaded"], "cascaded_default": default["cascaded"],
-        "judged": m.notes["judged"],
+        "judged": m.notes.get("judged", 0), "runs": args.runs,
         "crosscheck": "ok" if not m.problems else "FAILED", "png": str(png),
     }  # fmt: skip
 

@@ -89,6 +89,19 @@ def test_short_facts_are_distinct() -> None:  # their grading: tests/grading/tes
     assert len(facts) > 100 and len({f.question for f in facts}) == len(facts)
 
 
+def test_runs_to_replay(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.savings import parse_args
+
+    for given, runs in ((["--runs", "default"], ["large", "default"]), ([], ["large", "auto", "default"]),
+                        (["--runs", "default", "large", "auto"], ["large", "auto", "default"])):  # fmt: skip
+        monkeypatch.setattr(sys, "argv", ["bench.savings", *given])
+        assert parse_args().runs == runs  # the baseline first, always
+    monkeypatch.setattr(sys, "argv", ["bench.savings", "--runs", "large"])
+    with pytest.raises(SystemExit):
+        parse_args()
+    assert "nothing to compare" in capsys.readouterr().err
+
+
 def test_route_median_from_histogram_deltas() -> None:
     before = {"0.01": 2.0, "0.02": 2.0, "0.05": 2.0, "+Inf": 2.0}
     after = {"0.01": 3.0, "0.02": 7.0, "0.05": 10.0, "+Inf": 10.0}  # 8 new: 1 ≤ 10 ms, 4 in (10, 20], 3 in (20, 50]
