@@ -68,6 +68,24 @@ def test_int8_encoder_matches_minilm(embedder: Embedder) -> None:
     assert error.max() < 0.03, error
 
 
+def test_int8_products_are_the_same_integers_with_or_without_vnni() -> None:
+    """Without VNNI the codes multiply as floats (fp32, fp64 past 1,040 terms): the same sums as `_int_mm`,
+    so a text's features do not depend on the CPU. Both paths run here, whatever this CPU has."""
+    from router_model.encoder import EXACT_FP32_K, Int8MiniLM
+
+    torch.manual_seed(0)
+    for features in (64, EXACT_FP32_K + 500):  # the fp32 path and the fp64 one
+        linear = torch.nn.Linear(features, 48)
+        x = torch.randn(9, features) * 3
+        x[:, :8] = 1000.0  # near-full-scale codes: the sums are at their largest
+        fast, floats = Int8Linear(linear, int_mm=True), Int8Linear(linear, int_mm=False)
+        assert floats.codes_t.dtype == (torch.float32 if features <= EXACT_FP32_K else torch.float64)
+        assert torch.equal(fast(x), floats(x))
+    texts = [embedding_text(e.messages) for e in synthetic_examples(6, seed=2)]
+    a, b = (Int8MiniLM(int_mm=flag).encode(texts) for flag in (True, False))
+    assert np.array_equal(a, b)
+
+
 def test_features_are_deterministic_and_versioned(embedder: Embedder) -> None:
     conversations = [e.messages for e in synthetic_examples(24, seed=3)]
     first = featurize(conversations, embedder)
