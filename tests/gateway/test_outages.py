@@ -58,14 +58,15 @@ class Outage:
 
 
 async def under_load(
-    base_url: str, keys: dict[str, str], seconds: float, outage: Callable[[], Awaitable[Outage]]
+    base_url: str, keys: dict[str, str], seconds: float, outage: Callable[[list[Outcome]], Awaitable[Outage]]
 ) -> tuple[list[Outcome], Outage]:
-    """CLIENTS_PER_TENANT clients per tenant call the gateway back to back for `seconds` while `outage` runs."""
+    """CLIENTS_PER_TENANT clients per tenant call the gateway back to back for `seconds`, and at least until
+    `outage` (shown the outcomes so far) is over and 2 s more."""
     outcomes: list[Outcome] = []
-    until = time.monotonic() + seconds
+    until = [time.monotonic() + seconds]
 
     async def client(http: httpx.AsyncClient, tenant: str, n: int) -> None:
-        while time.monotonic() < until:
+        while time.monotonic() < until[0]:
             n += 1000
             body = {
                 "model": "small",
@@ -83,7 +84,8 @@ async def under_load(
 
     async with httpx.AsyncClient(timeout=120) as http:
         clients = [asyncio.create_task(client(http, tenant, i)) for tenant in keys for i in range(CLIENTS_PER_TENANT)]
-        happened = await outage()
+        happened = await outage(outcomes)
+        until[0] = max(until[0], time.monotonic() + 2)
         await asyncio.gather(*clients)
     return outcomes, happened
 
@@ -253,7 +255,7 @@ def test_redis_restarting_under_load(
         for name, policy in (("budgeted", BUDGETED), ("free", PRICED)):
             keys[name], ids[name] = tenant_with(live, name, policy)
 
-        async def outage() -> Outage:
+        async def outage(_: list[Outcome]) -> Outage:
             await asyncio.sleep(3)
             down = time.monotonic()
             await asyncio.to_thread(own_redis.stop)
@@ -318,7 +320,7 @@ def test_postgres_restarting_under_load(
         assert httpx.get(f"{live.base_url}/v1/admin/tenants", headers=admin).status_code == 200  # a key seen
         checks: dict[str, httpx.Response] = {}
 
-        async def outage() -> Outage:
+        async def outage(outcomes: list[Outcome]) -> Outage:
             await asyncio.sleep(3)
             down = time.monotonic()
             await asyncio.to_thread(own_postgres.stop, "fast")
@@ -331,6 +333,13 @@ def test_postgres_restarting_under_load(
                 )
                 checks["admin"] = await http.get(f"{live.base_url}/v1/admin/tenants", headers=admin)
             await asyncio.sleep(1)
+            # down until each tenant has had a request start and finish on the stale cache (a slower CPU, a
+            # Zen 3, took longer than the second above), 20 s at most
+            settled = down + AUTH_TTL + 0.5
+            for _ in range(200):
+                if {o.tenant for o in outcomes if o.started > settled} >= set(keys):
+                    break
+                await asyncio.sleep(0.1)
             await asyncio.to_thread(own_postgres.start)
             return Outage(down, time.monotonic())
 
