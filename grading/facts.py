@@ -22,6 +22,7 @@ import json
 import re
 from pathlib import Path
 
+from engines.checkpoints.fetch import fetch_package_file, fetch_package_tree
 from grading.answers import canonical_number
 from grading.datasets import Item, user
 
@@ -121,7 +122,7 @@ def country_capitals(folder: Path) -> list[tuple[str, str]]:
     for path in sorted(folder.glob("*.json")):
         data = json.loads(path.read_text())
         name, capital = str(data.get("name") or ""), str(data.get("capital") or "")
-        if name and capital and (name + capital).isascii() and re.fullmatch(r"[A-Za-z .'-]+", name + capital):
+        if name and capital and re.fullmatch(r"[A-Za-z .'-]+", name + capital):
             pairs.append((name, capital))
     return sorted(set(pairs))
 
@@ -195,8 +196,6 @@ def _plural(unit: str) -> str:
 
 def label_facts(home: Path, *, progress: bool = False) -> list[tuple[str, str]]:
     """The label set (see the module docstring): (question, answer), no subject of `HELD_OUT` among them."""
-    from engines.checkpoints.fetch import fetch_package_file, fetch_package_tree
-
     skip = _held_out_subjects()
     facts: list[tuple[str, str]] = []
     for country, capital in country_capitals(fetch_package_tree(*COUNTRIES, home, progress=progress)):

@@ -63,10 +63,10 @@ async def under_load(
     """CLIENTS_PER_TENANT clients per tenant call the gateway back to back for `seconds`, and at least until
     `outage` (shown the outcomes so far) is over and 2 s more."""
     outcomes: list[Outcome] = []
-    until = [time.monotonic() + seconds]
+    until = time.monotonic() + seconds
 
     async def client(http: httpx.AsyncClient, tenant: str, n: int) -> None:
-        while time.monotonic() < until[0]:
+        while time.monotonic() < until:  # read each time: raised below once the outage is over
             n += 1000
             body = {
                 "model": "small",
@@ -85,7 +85,7 @@ async def under_load(
     async with httpx.AsyncClient(timeout=120) as http:
         clients = [asyncio.create_task(client(http, tenant, i)) for tenant in keys for i in range(CLIENTS_PER_TENANT)]
         happened = await outage(outcomes)
-        until[0] = max(until[0], time.monotonic() + 2)
+        until = max(until, time.monotonic() + 2)
         await asyncio.gather(*clients)
     return outcomes, happened
 
