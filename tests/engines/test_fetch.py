@@ -89,3 +89,14 @@ def test_cli_reports_fetch_errors_without_a_traceback(tmp_path: Path) -> None:
     assert proc.returncode == 1
     assert "switchboard: unknown model 'no-such-model'" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_package_file_and_tree_name_what_the_wheel_lacks(tmp_path: Path) -> None:
+    """Evaluation data out of a registry wheel (`us`, a few kB): a missing member or folder is a FetchError
+    naming the package and what was asked for, and nothing is left behind."""
+    with pytest.raises(FetchError, match=r"us==4\.0\.0: reading us/no-such\.json"):
+        fetch.fetch_package_file("us", "4.0.0", "us/no-such.json", tmp_path, progress=False)
+    with pytest.raises(FetchError, match=r"us==4\.0\.0: the wheel has no files under nothing-here/"):
+        fetch.fetch_package_tree("us", "4.0.0", "nothing-here/", tmp_path, progress=False)
+    assert not (tmp_path / "data" / "us-4.0.0" / "us" / "no-such.json").exists()
+    assert not (tmp_path / "data" / "us-4.0.0" / "nothing-here").exists()
