@@ -7,7 +7,7 @@ Per in-process tier (its checkpoint as configured, loaded onto the GPU) and conf
 (the torch reference backend, eager), `triton` (Triton kernels, eager) and `triton+graphs` (Triton
 kernels, decode steps replayed from CUDA graphs) — it times decode steps of `batch` sequences (prompts of
 32 tokens, `--decode-tokens` greedy tokens each, prefill excluded) and the prefill of 8 prompts of 512
-tokens; median of 3 runs. The table, then one JSON line per tier and weight format.
+tokens; median of 3 runs after an untimed one. The table, then one JSON line per tier and weight format.
 
 `--shape-dir` measures models given as directories holding only a `config.json` and the tokenizer (a GPU
 machine that cannot fetch the registry's weights): each gets random bf16 weights of its shape on the GPU.
@@ -158,6 +158,9 @@ def load(model_dir: Path, dtype: str, weights: str, config: str) -> object:
 
 
 def median(run: object, runs: int) -> float:
+    """The median of `runs` timed runs after one untimed run: the first call of a shape JIT-compiles Triton
+    kernels (seconds), which a median of 2 would average in (prefill read 78k tok/s for ~250k warm)."""
+    run()  # type: ignore[operator]
     return statistics.median(run() for _ in range(runs))  # type: ignore[operator]
 
 
