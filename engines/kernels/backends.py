@@ -46,10 +46,16 @@ class TorchBackend:
     name = "torch"
 
     def add_rms_norm(
-        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None,
+        offset: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(r), r) for r = residual + x (r = x without one); fp32 statistics, as HF transformers."""
-        return reference.add_rms_norm(x, weight, eps, residual)
+        """(norm(r), r) for r = residual + x (r = x without one); fp32 statistics, as HF transformers.
+        `offset`: Gemma's (1 + w) scale, applied in fp32 before the cast back."""
+        return reference.add_rms_norm(x, weight, eps, residual, offset)
 
     def rotate(
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int
@@ -81,11 +87,17 @@ class CpuBackend(TorchBackend):
     name = "cpu"
 
     def add_rms_norm(
-        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None,
+        offset: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if cpu_ops.usable(x, x.shape[-1]) and x.dim() == 2:  # updates `residual` in place
+        # Gemma's offset form stays in torch here: our C++ norm has only the other rounding.
+        if not offset and cpu_ops.usable(x, x.shape[-1]) and x.dim() == 2:  # updates `residual` in place
             return cpu_ops.add_rms_norm(x, weight, eps, residual)
-        return super().add_rms_norm(x, weight, eps, residual)
+        return super().add_rms_norm(x, weight, eps, residual, offset)
 
     def rotate(
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int
@@ -115,13 +127,18 @@ class TritonBackend(TorchBackend):
     name = "triton"
 
     def add_rms_norm(
-        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None,
+        offset: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         from engines.kernels import triton_norm
 
         if x.dim() != 2:
-            return super().add_rms_norm(x, weight, eps, residual)
-        return triton_norm.add_rms_norm(x, weight, eps, residual)
+            return super().add_rms_norm(x, weight, eps, residual, offset)
+        return triton_norm.add_rms_norm(x, weight, eps, residual, offset)
 
     def rotate(
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int

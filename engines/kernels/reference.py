@@ -32,12 +32,16 @@ EXTEND_ROWS = 128  # query tokens per matmul in a chunk: each block reads keys o
 
 
 def add_rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, offset: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(norm(r), r) for r = residual + x (r = x without one); fp32 statistics, as HF transformers."""
+    """(norm(r), r) for r = residual + x (r = x without one); fp32 statistics, as HF transformers. `offset`:
+    Gemma's form (HF's `Gemma3RMSNorm`), which scales by (1 + w) in fp32 and rounds once at the end; the
+    others round the normalized row to the activations' dtype and then multiply by w."""
     r = x if residual is None else residual + x
     h = r.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (h * (1.0 + weight.float())).to(r.dtype), r
     return weight * h.to(r.dtype), r
 
 

@@ -29,6 +29,7 @@ def _add_rms_norm_kernel(
     hidden: tl.tensor,
     eps: tl.tensor,
     HAS_RESIDUAL: tl.constexpr,
+    OFFSET: tl.constexpr,
     BLOCK: tl.constexpr,
 ) -> None:
     row = tl.program_id(0).to(tl.int64)  # int64: rows × stride can pass 2^31 on long prompts
@@ -46,17 +47,21 @@ def _add_rms_norm_kernel(
     var = tl.sum(h * h, axis=0) / hidden  # masked lanes are 0 and add nothing
     h = h * tl.rsqrt(var + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    # HF rounds the normalized row to the activations' dtype *before* the weight multiply.
-    out = w.to(tl.float32) * h.to(x.dtype).to(tl.float32)
+    if OFFSET:  # noqa: SIM108 (a constexpr branch: one form compiled per kernel)
+        # Gemma: scaled by (1 + w) in fp32, rounded once on the store.
+        out = h * (1.0 + w.to(tl.float32))
+    else:
+        # HF rounds the normalized row to the activations' dtype *before* the weight multiply.
+        out = w.to(tl.float32) * h.to(x.dtype).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def add_rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, offset: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(r), r) for r = residual + x (r = x without a residual); `residual` is updated in place and
     returned. x: (tokens, hidden). The norm's dtype is torch's promotion of the weight's and x's, as in
-    `weight * h.to(r.dtype)`."""
+    `weight * h.to(r.dtype)`; with `offset` (Gemma's `(h * (1 + w)).to(r.dtype)`) it is x's."""
     assert x.dim() == 2, "rows of (tokens, hidden)"
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -65,7 +70,8 @@ def add_rms_norm(
         # In place only works on the caller's tensor itself, so no silent copies here.
         assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1
     weight = weight.detach().contiguous()
-    out = torch.empty(m, hidden, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    out_dtype = x.dtype if offset else torch.promote_types(weight.dtype, x.dtype)
+    out = torch.empty(m, hidden, dtype=out_dtype, device=x.device)
     if m:
         block = triton.next_power_of_2(hidden)
         res = x if residual is None else residual  # a placeholder pointer when there is none
@@ -80,6 +86,7 @@ def add_rms_norm(
             hidden,
             eps,
             HAS_RESIDUAL=residual is not None,
+            OFFSET=offset,
             BLOCK=block,
             num_warps=min(max(block // 256, 1), 8),  # ~8 values a thread: wide rows get more warps
         )
