@@ -159,7 +159,7 @@ def load(model_dir: Path, dtype: str, weights: str, config: str) -> object:
 
 def median(run: object, runs: int) -> float:
     """The median of `runs` timed runs after one untimed run: the first call of a shape JIT-compiles Triton
-    kernels (seconds), which a median of 2 would average in (prefill read 78k tok/s for ~250k warm)."""
+    kernels (seconds), which a median of 2 would average in (SmolLM2 prefill read 78k tok/s for ~130k warm)."""
     run()  # type: ignore[operator]
     return statistics.median(run() for _ in range(runs))  # type: ignore[operator]
 
