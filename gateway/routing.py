@@ -158,7 +158,7 @@ class RoutingStage:
         the cheapest allowed tier whose predicted P(good enough) meets the threshold, else the largest.
         `salt`: the request's prefix-cache salt, so the small tier's routing prefill is reused."""
         assert self.service is not None, "wants() said no router"
-        tiers = self._tiers(policy)
+        ladder, tiers = self._ladders(policy)
         if not tiers:
             raise APIError(
                 403,
@@ -175,9 +175,6 @@ class RoutingStage:
         scored = await asyncio.gather(*(self.service.p_ok(c, s) for c, s in zip(conversations, states, strict=True)))
         p_ok = {tier: min(p[tier] for p in scored) for tier in scored[0]}  # the hardest conversation decides
         threshold, source, expected = self.threshold(policy, principal.tenant_name)
-        ladder = [t for t in LADDER if t in self.engines]
-        if policy.router.mode == "large_share":  # a share of large calls, calibrated on P(small ok): small or large
-            ladder, tiers = [t for t in ladder if t != TINY], [t for t in tiers if t != TINY] or tiers
         choice = cheapest_tier(p_ok, threshold, ladder)  # the router's own choice, before the policy's tiers
         self.drift.add(choice == LARGE, expected)
         self.tenant_drift.setdefault(principal.tenant_name, LargeShareWindow()).add(choice == LARGE, expected)
@@ -220,6 +217,14 @@ class RoutingStage:
     def _tiers(self, policy: Policy) -> list[str]:
         """The tiers `auto` may pick for this policy, cheapest first."""
         return [t for t in LADDER if t in self.engines and policy.allows(t)]
+
+    def _ladders(self, policy: Policy) -> tuple[list[str], list[str]]:
+        """(the router's ladder, the tiers this policy allows), cheapest first. Mode large_share is calibrated
+        on P(small ok) alone, so its ladder is small and large: tiny only where the policy allows nothing else."""
+        ladder, tiers = [t for t in LADDER if t in self.engines], self._tiers(policy)
+        if policy.router.mode == "large_share":
+            return [t for t in ladder if t != TINY], [t for t in tiers if t != TINY] or tiers
+        return ladder, tiers
 
     def after_response(self, plan: Plan, outcome: Outcome) -> None:
         """Once the response is out: store the conversation, maybe start a shadow run. Never blocks."""
