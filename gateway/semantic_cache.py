@@ -155,12 +155,22 @@ def _words(text: str) -> list[str]:
     return [w[:-1] if len(w) > 3 and w.endswith("s") and w not in _STOP else w for w in words]  # crude plurals
 
 
+def _one_for_one(x: list[str], y: list[str]) -> bool:
+    """One content word for another that is not its synonym (numbers are `_numbers`' business: "twelve"/"12")."""
+    if len(x) != 1 or len(y) != 1 or {x[0], y[0]} & (_STOP | _LIGHT):
+        return False
+    if any(w.isdigit() or w in _NUMBER_WORDS for w in (x[0], y[0])):
+        return False
+    return not any(x[0] in group and y[0] in group for group in _SYNONYMS)
+
+
 def _swapped(a: str, b: str) -> bool:
     """The same words in another order ("miles to kilometers" / "kilometers to miles"), a direction turned
     around ("from English" / "to English"), one content word swapped for another that is not a synonym
     ("primary colors" / "secondary colors", "remove duplicates from" / "find duplicates in": edits among
-    light words such as prepositions don't count as a second change), or content words added and nothing
-    else changed ("are you X" / "are you based on X")."""
+    light words such as prepositions don't count as a second change), or several, each one word for one
+    and nothing else changed ("minutes in 8 hours" / "seconds in 8 minutes"), or content words added and
+    nothing else changed ("are you X" / "are you based on X")."""
     wa, wb = _words(a), _words(b)
     if wa != wb and sorted(wa) == sorted(wb):
         return True
@@ -172,6 +182,9 @@ def _swapped(a: str, b: str) -> bool:
             return True
     if len(ops) != 1:
         ops = [op for op in ops if set(wa[op[1] : op[2]] + wb[op[3] : op[4]]) - _PREPOSITIONS]
+        swaps = [op for op in ops if set(wa[op[1] : op[2]] + wb[op[3] : op[4]]) - _STOP - _LIGHT]
+        if len(swaps) > 1 and all(_one_for_one(wa[i1:i2], wb[j1:j2]) for _, i1, i2, j1, j2 in swaps):
+            return True
         if len(ops) != 1:
             return False
     kind, i1, i2, j1, j2 = ops[0]

@@ -67,6 +67,11 @@ def key(text: str, **params: object) -> object:
         ("How do I read env vars in Node.js?", "How do I read env vars in Deno?", "entities"),
         ("Translate this sentence from English.", "Translate this sentence to English.", "swapped"),
         ("How do I remove duplicates from a list?", "How do I find duplicates in a list?", "swapped"),
+        # false hits bench.savings found (MiniLM similarity above 0.80, two content words changed)
+        ("How many meters are in 6 kilometers?", "How many centimeters are in 6 meters?", "swapped"),
+        ("How many seconds are in 8 minutes?", "How many minutes are in 8 hours?", "swapped"),
+        ("How many minutes are in 5 hours?", "Please, how many seconds are in 5 minutes?", "swapped"),
+        ("How many minutes are in 5 hours? Be brief.", "How many seconds are in 5 minutes? Be brief.", "swapped"),
         ("How do I reverse a list in Python?", "What's the way to reverse a Python list?", None),
         ("What is twelve times seven?", "What is 12 times 7?", None),
         ("Sum 1,000 and 2", "Sum 1000 and 2", None),
