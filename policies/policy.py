@@ -134,8 +134,8 @@ class CacheSettings(_Strict):
         default_factory=lambda: ["timestamps", "dates", "uuids", "request_ids", "hex", "base64"],
         description="volatile spans replaced by a placeholder before keying",
     )
-    # On by default: its guards (numbers, negation, entities, quoted strings, content words) let 0 of 167
-    # near-misses hit on bench.cache; a reworded repeat is then free (docs/caches.md).
+    # On by default: with its guards (numbers, negation, entities, quoted strings, content words) none of
+    # bench.cache's 167 hits was another question's answer; a reworded repeat is then free (docs/caches.md).
     semantic: bool = Field(True, description="also answer a reworded repeat of an earlier question")
     semantic_threshold: float | None = Field(
         None, gt=0.0, le=1.0, description="cosine similarity for a semantic hit; default: the calibrated one"
