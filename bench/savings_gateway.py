@@ -107,8 +107,8 @@ def auto_policies(thresholds: dict[str, float], cap: int) -> dict[str, Any]:
 
 
 def default_policy(shadow_share: float | None = None) -> Any:
-    """The `default` run's tenants: the built-in default policy (a 0.95 quality floor, the semantic cache,
-    shadow runs, code checks with a cascade), with only the bench's far-off budgets and rate limits added;
+    """The `default` run's tenants: the built-in default policy (a 0.95 quality floor, shadow runs, code
+    checks with a cascade), with only the bench's far-off budgets and rate limits added;
     `shadow_share` replaces the default's to measure the estimate on more verdicts."""
     from policies.policy import Policy, RouterSettings
 
