@@ -155,13 +155,17 @@ def _words(text: str) -> list[str]:
     return [w[:-1] if len(w) > 3 and w.endswith("s") and w not in _STOP else w for w in words]  # crude plurals
 
 
+def _synonyms(x: set[str], y: set[str]) -> bool:
+    return any(x <= group and y <= group for group in _SYNONYMS)
+
+
 def _one_for_one(x: list[str], y: list[str]) -> bool:
     """One content word for another that is not its synonym (numbers are `_numbers`' business: "twelve"/"12")."""
     if len(x) != 1 or len(y) != 1 or {x[0], y[0]} & (_STOP | _LIGHT):
         return False
     if any(w.isdigit() or w in _NUMBER_WORDS for w in (x[0], y[0])):
         return False
-    return not any(x[0] in group and y[0] in group for group in _SYNONYMS)
+    return not _synonyms({x[0]}, {y[0]})
 
 
 def _swapped(a: str, b: str) -> bool:
@@ -193,7 +197,7 @@ def _swapped(a: str, b: str) -> bool:
     x, y = set(wa[i1:i2]) - _STOP - _LIGHT, set(wb[j1:j2]) - _STOP - _LIGHT
     if not x or not y or i2 - i1 > 2 or j2 - j1 > 2:
         return False
-    return not any(x <= group and y <= group for group in _SYNONYMS)
+    return not _synonyms(x, y)
 
 
 def guard(a: str, b: str) -> str | None:
