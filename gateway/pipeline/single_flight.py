@@ -5,8 +5,8 @@ The rule: a request that would read the response cache (`miss`, with a key the a
 under) follows a request of the same tenant that is generating (its leader) when the leader's answer,
 once stored, would be served to it from the cache: the same exact key (so the same tier, endpoint and
 answer-changing parameters), or, with `cache.semantic`, a question the semantic cache's own test (same
-context and parameters, similarity, `guard`) matches. A follower is served the leader's answer as a hit
-and billed as one; its ledger row's `cache_status` says `flight-hit` or `flight-sem-hit`:
+context and parameters, similarity, `shares_answer`) matches. A follower is served the leader's answer as
+a hit and billed as one; its ledger row's `cache_status` says `flight-hit` or `flight-sem-hit`:
 
     non-streamed  waits at admission for the leader's answer, then replays it like any cached answer
     streamed      waits at admission until the leader generates on the key's tier, then streams the
@@ -35,7 +35,7 @@ from gateway.cache_stage import CacheDecision
 from gateway.normalize import CacheKey
 from gateway.pipeline.plan import Candidate, ChoiceDelta
 from gateway.response_cache import CachedAnswer
-from gateway.semantic_cache import DEFAULT_THRESHOLD, SemanticCache, guard, split_key
+from gateway.semantic_cache import DEFAULT_THRESHOLD, SemanticCache, shares_answer, split_key
 from policies.policy import CacheSettings
 
 if TYPE_CHECKING:
@@ -208,7 +208,9 @@ class Flights:
             f, their = flights[i]
             if similarity < threshold:
                 break
-            if f.state != RELEASED and guard(their, question) is None:
+            if f.state == RELEASED:
+                continue
+            if await anyio.to_thread.run_sync(shares_answer, semantic.embedder, their, question, threshold):
                 return f, similarity
         return None
 

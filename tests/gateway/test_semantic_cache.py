@@ -21,9 +21,10 @@ from gateway.semantic_cache import (
     SemanticCache,
     calibrate,
     calibration_report,
-    guard,
+    frame_similarity,
     load_pairs,
 )
+from gateway.semantic_guard import differing_sentences, guard
 from policies.policy import CacheSettings
 
 SETTINGS = CacheSettings(semantic=True)
@@ -86,6 +87,43 @@ def test_guard(a: str, b: str, why: str | None) -> None:
     assert guard(b, a) == why
 
 
+INSTRUCTION = " Use simple words, be concrete, and avoid cliches."
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "parts"),
+    [
+        ("What is the capital of France?", "Which city is the capital of France?", None),  # no shared sentence
+        ("Be brief. What is up?", "be brief!  what is up ?", None),  # the same words
+        ("Write one sentence about rain." + INSTRUCTION, "Write one sentence about the moon." + INSTRUCTION,
+         ("Write one sentence about rain.", "Write one sentence about the moon.")),
+        ("Review: good.\nSummarize it. Be brief.", "Review: awful, broke at once.\nSummarize it. Be brief.",
+         ("good.", "awful, broke at once.")),
+        ("Is it safe? Thanks!", "Is it safe?", ("Thanks!", "")),
+    ],
+)  # fmt: skip
+def test_differing_sentences(a: str, b: str, parts: tuple[str, str] | None) -> None:
+    assert differing_sentences(a, b) == parts
+    assert differing_sentences(b, a) == (None if parts is None else parts[::-1])
+
+
+def test_a_template_slot_filled_differently_is_judged_on_its_own(embedder: Embedder) -> None:
+    """The false hit the suite once caught (tests/gateway/test_api_concurrency.py): two subjects in one
+    template with a long shared instruction are 0.807 similar as wholes; what differs is not."""
+    a = "Write one sentence about the city at night." + INSTRUCTION * 3
+    b = "Write one sentence about a lighthouse." + INSTRUCTION * 3
+    whole = embedder.encode([a, b])
+    assert float(whole[0] @ whole[1]) >= DEFAULT_THRESHOLD and guard(a, b) is None  # what the frame rule is for
+    local = frame_similarity(embedder, a, b)
+    assert local is not None and local < DEFAULT_THRESHOLD - 0.1
+    reworded = "Be brief. How many days does a leap year have?"
+    assert frame_similarity(embedder, "Be brief. How many days are in a leap year?", reworded) >= DEFAULT_THRESHOLD
+    assert frame_similarity(embedder, "Is it safe? Thanks!", "Is it safe?") == 1.0  # politeness only
+    assert frame_similarity(embedder, "Hi! How are you today?", "Please, hi! How are you today?") == 1.0
+    assert frame_similarity(embedder, "Is it safe? Answer in French.", "Is it safe?") == 0.0  # an added request
+    assert frame_similarity(embedder, "How do I sort a list?", "How do I sort a Python list?") is None
+
+
 def test_calibrated_threshold_on_the_shipped_pairs(embedder: Embedder) -> None:
     pairs = load_pairs()
     assert len(pairs) >= 120 and sum(s for *_, s in pairs) >= 50
@@ -132,7 +170,12 @@ TABLE = [
     ("What year did World War II end?", "What year did World War I end?", False),
     ("Is it safe to eat raw eggs?", "Can you safely eat raw eggs?", True),
     ("How do I rename a branch in git?", "How can I rename a git branch?", True),
-]
+    # templates: a slot filled differently never, a question reworded inside the same frame yes
+    ("Write one sentence about the city at night." + INSTRUCTION * 3,
+     "Write one sentence about a lighthouse." + INSTRUCTION * 3, False),
+    ("Keep the answer short. How do I center a div in CSS?", "Keep the answer short. How can I center a div using CSS?",
+     True),
+]  # fmt: skip
 
 
 def test_requests_that_must_and_must_not_share_an_answer(

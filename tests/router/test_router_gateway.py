@@ -358,7 +358,7 @@ def test_shadow_runs_start_after_the_response_and_log_label_rows(gateway: Gatewa
 def test_a_new_tenant_is_held_to_the_default_quality_floor(gateway: Gateway) -> None:
     """No policy saved: the built-in default holds `auto` to 0.95 of always-large's quality on the router's
     held-out curve, shadow-runs 5% of the cheaper tiers' answers, and checks code answers against their
-    prompts' examples with a cascade to large."""
+    prompts' examples with a cascade to large; the semantic cache answers a reworded repeat."""
     name = f"t-{uuid.uuid4().hex[:10]}"
     key = create_tenant(gateway.live.db, name).key
     found = tenant_by_name(gateway.live.db, name)
@@ -372,7 +372,7 @@ def test_a_new_tenant_is_held_to_the_default_quality_floor(gateway: Gateway) -> 
     )
     assert router.shadow_warmup == 50
     assert checks.checks == ["prompt_examples"] and checks.cascade and checks.cascade_to == "large"
-    assert current.policy.cache.enabled and not current.policy.cache.semantic
+    assert current.policy.cache.enabled and current.policy.cache.semantic
     stage = running_pipeline(gateway.live.app).routing
     implied = load_router(gateway.router_dir).threshold_for_floor(0.95)
     assert implied is not None and stage.threshold(current.policy, name)[:2] == (implied[0], "floor")
@@ -380,6 +380,10 @@ def test_a_new_tenant_is_held_to_the_default_quality_floor(gateway: Gateway) -> 
         r = gateway.chat(key, content)
         assert r.status_code == 200
         assert r.headers["x-switchboard-tier"] == ("large" if _p(r) < implied[0] else "small"), content
+    first = gateway.chat(key, SIMPLE)
+    reworded = gateway.chat(key, "Please, " + SIMPLE[:1].lower() + SIMPLE[1:])
+    assert first.headers["x-switchboard-cache"] == "hit" and reworded.headers["x-switchboard-cache"] == "semantic-hit"
+    assert reworded.json()["choices"][0]["message"]["content"] == first.json()["choices"][0]["message"]["content"]
 
 
 def test_a_tenant_measured_short_of_its_floor_is_recalibrated_toward_large(gateway: Gateway) -> None:
