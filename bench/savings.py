@@ -17,10 +17,10 @@ database and a Redis namespace, or `--embedded` SQLite and in-process counters) 
            the `prompt_examples` check with a cascade to large, the degeneration verifier). Each threshold
            sends its share of the trace's distinct prompts large, as `switchboard router calibrate --tenant`
            would;
-  default  `model: "auto"` with every tenant on the built-in default policy (a 0.95 quality floor, the cheaper
-           tiers' answers shadow-run on large: half until a tenant has 50 verdicts, 5% after; code checks
-           with a cascade); once its shadow runs are done, each tenant's estimated quality ratio is read
-           from `GET /v1/admin/router`.
+  default  `model: "auto"` with every tenant on the built-in default policy (a 0.95 quality floor, the
+           semantic cache beside the exact one, the cheaper tiers' answers shadow-run on large: half until
+           a tenant has 50 verdicts, 5% after; code checks with a cascade); once its shadow runs are done,
+           each tenant's estimated quality ratio is read from `GET /v1/admin/router`.
 
 Every answer is graded (`bench/savings_grade.py`; open chat judged by the large tier against the
 always-large answer). Cost and the saving by lever come from `GET /v1/finance/savings` for each run's

@@ -99,15 +99,17 @@ def auto_policies(thresholds: dict[str, float], cap: int) -> dict[str, Any]:
     return {
         "saver": Policy(router=router("saver"), cache=CacheSettings(semantic=True),
                         sampling=SamplingLimits(max_tokens_cap=cap), verifiers=_no_checks(), **limits()),
-        "balanced": Policy(router=router("balanced"), verifiers=_no_checks(), **limits()),
-        "quality": Policy(router=router("quality"), verifiers=verifiers, **limits()),
+        "balanced": Policy(router=router("balanced"), cache=CacheSettings(semantic=False), verifiers=_no_checks(),
+                           **limits()),
+        "quality": Policy(router=router("quality"), cache=CacheSettings(semantic=False), verifiers=verifiers,
+                          **limits()),
     }  # fmt: skip
 
 
 def default_policy(shadow_share: float | None = None) -> Any:
-    """The `default` run's tenants: the built-in default policy (a 0.95 quality floor, shadow runs, code
-    checks with a cascade), with only the bench's far-off budgets and rate limits added; `shadow_share`
-    replaces the default's to measure the estimate on more verdicts."""
+    """The `default` run's tenants: the built-in default policy (a 0.95 quality floor, the semantic cache,
+    shadow runs, code checks with a cascade), with only the bench's far-off budgets and rate limits added;
+    `shadow_share` replaces the default's to measure the estimate on more verdicts."""
     from policies.policy import Policy, RouterSettings
 
     router = RouterSettings() if shadow_share is None else RouterSettings(shadow_share=shadow_share)
