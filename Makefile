@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test lint format install llamacpp bench clean-venv
+.PHONY: serve test lint format install jail llamacpp bench clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -14,7 +14,15 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-serve: $(STAMP)
+# The code jail's bubblewrap (grading/jail; Debian's package), installed where it is missing and we are root. Without
+# it a root gateway runs no model- or prompt-written code: its checks say 'unavailable' (docs/verifiers.md#the-jail).
+jail:
+	@command -v bwrap >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	  { DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap >/dev/null 2>&1 || \
+	    { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap >/dev/null; }; }; } || \
+	  echo "bubblewrap is not installed (apt-get install bubblewrap): see docs/verifiers.md#the-jail"
+
+serve: $(STAMP) jail
 	$(BIN)/switchboard serve
 
 # llama.cpp's server for the remote-tier tests and the benchmarks' baseline: built for this CPU without AMX tiles and
@@ -22,7 +30,7 @@ serve: $(STAMP)
 llamacpp: $(STAMP)
 	$(BIN)/python -m bench.llamacpp_build install
 
-test: llamacpp
+test: llamacpp jail
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

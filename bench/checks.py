@@ -80,6 +80,10 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=4, help="checks at once (asks batch in the engine)")
     ap.add_argument("--out", type=Path, metavar="DIR", help="results and answers (default: HOME/bench-checks)")
     args = ap.parse_args()
+    if {"prompt_examples", "program_of_thought"} & set(args.checks):  # they run model-written code
+        from grading.sandbox import require_jail
+
+        require_jail(False, "the prompt_examples and program_of_thought checks", unsafe_allowed=False)
 
     from core.settings import Settings
     from router_model.label import DEFAULT_OUT, tier_model

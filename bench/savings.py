@@ -61,6 +61,7 @@ from bench.savings_gateway import LARGE_SHARES, ROLES, Served, say
 from bench.savings_grade import LEVERS
 from bench.savings_report import calibrate, heldout_sweep, plot, print_table, router_figures, summarize
 from bench.savings_trace import Request, build_trace, load_pools, summary
+from grading.sandbox import add_unsafe_flag, require_jail
 
 RUNS = ("large", "auto", "default")
 
@@ -92,6 +93,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "sb-bench-savings")
     p.add_argument("--timeout", type=float, default=1800, help="seconds one request may take")
     p.add_argument("--grade-workers", type=int, default=2, help="HumanEval sandbox runs at once")
+    add_unsafe_flag(p)
     p.add_argument("--shadow-share", type=float, help="the default run's shadow share (default: the policy's 0.05)")
     p.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS),
                    help="which runs (default: all three); large, the baseline, always runs")  # fmt: skip
@@ -230,6 +232,7 @@ def estimated_quality(summaries: dict[str, dict[str, Any]], estimates: dict[str,
 
 def main() -> None:
     args = parse_args()
+    require_jail(args.unsafe_local_grading)  # before an hour of replay: the grading runs HumanEval answers
     home = args.home.expanduser()
     args.out.mkdir(parents=True, exist_ok=True)
     threads = int(os.environ.get("OMP_NUM_THREADS", "2"))

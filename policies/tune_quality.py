@@ -21,6 +21,7 @@ from engines.request import EngineRequest, FinishReason, RequestOutput, TokenLog
 from engines.sampling import SamplingParams
 from grading.datasets import Item
 from grading.graders import grade_gsm8k, grade_humaneval
+from grading.sandbox import JailUnavailable
 from policies.tuning import Grade, TunePrompt, TuningError
 
 JUDGE_TEMPLATE = """\
@@ -114,7 +115,10 @@ def grader(judge: Judge | None) -> Grade:
             if p.grader == "gsm8k":
                 out[i] = float(grade_gsm8k(_item(p), text))
             elif p.grader == "humaneval":  # runs the answer's code in the sandbox: off the event loop
-                out[i] = float(await anyio.to_thread.run_sync(grade_humaneval, _item(p), text))
+                try:
+                    out[i] = float(await anyio.to_thread.run_sync(grade_humaneval, _item(p), text))
+                except JailUnavailable as exc:
+                    raise TuningError(f"HumanEval grading needs the code jail: {exc}") from exc
             elif p.grader != "judge":
                 raise TuningError(f"unknown grader {p.grader!r}")
         if judged:

@@ -82,6 +82,11 @@ def check_load(out: str) -> None:
     assert (r["stream_errors"], r["stream_completed"]) == (0, 2)
 
 
+def check_sandbox(out: str) -> None:
+    r = last_json(out, {"pass_jail_p50_ms", "pass_fence_p50_ms", "small_added_p50_ms", "layers"})
+    assert r["runs"] == 2 and r["layers"]["self_test"].startswith("passed") and "humaneval_solutions" not in r
+
+
 def check_gpu(out: str) -> None:
     assert "no CUDA device on this machine; nothing to measure" in out
 
@@ -96,6 +101,7 @@ SMALL: dict[str, tuple[list[str], Callable[[str], None], tuple[str, ...]]] = {
                       "--no-hf"], check_decode_speed, ()),
     "load": (["--mode", "both", "--concurrency", "2", "--duration", "0.5", "--max-tokens", "4"], check_load,
              ("postgres_server", "redis_server")),
+    "sandbox": (["--runs", "2", "--no-humaneval"], check_sandbox, ()),
 }  # fmt: skip
 SLOW = {"decode_speed", "load"}
 if not torch.cuda.is_available():  # without CUDA it says so and exits 0; with CUDA it loads every tier: --help

@@ -14,7 +14,8 @@ one escalates, as `math` does) and ask the tier that served it again, through `C
 Numbers agree when equal within 1e-9 (relative), or when the second one rounded to the first one's
 decimals equals it (a program prints 3.3333333 where the answer says 3.33). Without `Context.ask` (no
 tier to ask: policy tuning) or when the tier cannot answer (`AskFailed`), they continue and say why: that
-is not the answer's fault.
+is not the answer's fault. Where this machine has no jail, `program_of_thought` asks nothing and says
+`unavailable`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 from decimal import Decimal
 
 from grading.answers import extract_answer, fenced_blocks
-from grading.sandbox import run_python
+from grading.sandbox import JailUnavailable, jail_status, run_python
 from verifiers.base import Action, AskFailed, Context, Trace, TraceVerifier, Verdict
 
 # The problem first, the instruction last: it must win over the problem's own ("end with 'The answer is N'").
@@ -60,6 +61,8 @@ class _Agreement(TraceVerifier):
             other, why = self.second_opinion(context)
         except AskFailed as exc:
             return self.verdict(Action.CONTINUE, 1.0, f"final number {answer}; could not ask: {str(exc)[:160]}")
+        except JailUnavailable as exc:
+            return self.not_run(exc)
         if other is None:
             return self.verdict(Action.ESCALATE, 0.0, why)
         if not agree(answer, other):
@@ -80,6 +83,8 @@ class ProgramOfThought(_Agreement):
 
     def second_opinion(self, context: Context) -> tuple[str | None, str]:
         assert context.ask is not None
+        if not jail_status().available:  # before asking: a program that cannot run is not worth its tokens
+            raise JailUnavailable(jail_status().reason)
         question = [{"role": "user", "content": POT_TEMPLATE.format(question=context.prompt.strip())}]
         reply = context.ask(question, self.max_tokens)
         result = run_python(program(reply), timeout=self.timeout)

@@ -6,7 +6,8 @@ small-tier answer is retried on the large tier.
 - `MathAnswer`: the answer must end in a number (`grading.answers`' GSM8K rule); with a reference
   (benchmarks), it must equal it.
 - `CodeTests`: the code in the answer (a fenced block, else the text) and `Context.tests` run together
-  in `grading.sandbox`; passing means exit status 0. Without tests there is nothing to check.
+  in `grading.sandbox`'s jail; passing means exit status 0. Without tests there is nothing to check; without
+  a jail on this machine it does not run (`unavailable`).
 - `Structure`: JSON that parses (and matches `response_format`'s schema, if it has one), or a full
   match of its regex. Constrained decoding makes this hold by construction on our engines; it catches
   answers cut off by `max_tokens` and answers from tiers that cannot constrain (remote ones).
@@ -18,7 +19,7 @@ import json
 import re
 
 from grading.answers import answer_code, extract_answer, reference_answer
-from grading.sandbox import run_python
+from grading.sandbox import JailUnavailable, run_python
 from verifiers.base import Action, Context, Trace, TraceVerifier, Verdict
 
 
@@ -45,7 +46,10 @@ class CodeTests(TraceVerifier):
     def check_trace(self, context: Context, trace: Trace) -> Verdict:
         if not context.tests:
             return self.verdict(Action.CONTINUE, 1.0, "no tests to run")
-        result = run_python(f"{answer_code(trace.text)}\n\n{context.tests}\n", timeout=self.timeout)
+        try:
+            result = run_python(f"{answer_code(trace.text)}\n\n{context.tests}\n", timeout=self.timeout)
+        except JailUnavailable as exc:
+            return self.not_run(exc)
         if result.passed:
             return self.verdict(Action.CONTINUE, 1.0, "tests pass")
         why = "timed out" if result.timed_out else (result.stderr.strip().splitlines() or ["failed"])[-1][:200]

@@ -4,7 +4,8 @@ A verifier looks at a request (`Context`) and one or more of its generations (`T
 per-token logprobs with the top alternatives) while they run or once they finish, and answers each
 trace with a `Verdict`: continue, stop (good enough: end it here, keep what it has), prune (this path is
 bad: end it and drop it) or escalate (the answer will not do: hand the request to a larger tier), with
-a score and a reason. Verifiers that judge one trace at a time subclass `TraceVerifier`; those that
+a score and a reason; a check that could not run (no jail for its code) says unavailable, and the answer
+is served without it. Verifiers that judge one trace at a time subclass `TraceVerifier`; those that
 judge the traces of one request together (self-consistency votes) implement `check` over all of them.
 
 `every` says how often an in-flight verifier wants to look: every N generated tokens of a trace
@@ -27,10 +28,15 @@ class Action(StrEnum):
     STOP = "stop"  # good enough: end the trace now and keep it
     PRUNE = "prune"  # a bad path: end the trace and drop it
     ESCALATE = "escalate"  # the answer will not do: retry the request on a larger tier
+    # The check could not run here (no jail on this machine for its code): the answer is served without it,
+    # and the record and `x-switchboard-verifiers` say so. Acts as continue.
+    UNAVAILABLE = "unavailable"
 
 
-# Which action wins when verifiers disagree (`any_of`): the most drastic.
-SEVERITY = {Action.CONTINUE: 0, Action.STOP: 1, Action.PRUNE: 2, Action.ESCALATE: 3}
+# Which action wins when verifiers disagree (`any_of`): the most drastic. A check that could not run is
+# above continue only so that the record keeps saying it did not run.
+SEVERITY = {Action.CONTINUE: 0, Action.UNAVAILABLE: 1, Action.STOP: 2, Action.PRUNE: 3, Action.ESCALATE: 4}
+PASSES = (Action.CONTINUE, Action.UNAVAILABLE)  # verdicts that ask for nothing to be done
 
 
 @dataclass(frozen=True)
@@ -138,3 +144,7 @@ class TraceVerifier(Verifier):
 
     def verdict(self, action: Action, score: float, reason: str) -> Verdict:
         return Verdict(action, score, reason, self.name)
+
+    def not_run(self, why: object) -> Verdict:
+        """The check could not run here (`grading.sandbox.JailUnavailable`): the answer is served without it."""
+        return self.verdict(Action.UNAVAILABLE, 1.0, f"not run: no jail for code on this machine: {why}"[:240])

@@ -1,12 +1,12 @@
 """Verifiers combined: `any_of`, `all_of` and `weighted`.
 
 - `any_of(a, b, ...)`: each trace gets the most drastic action any member asks for (escalate > prune >
-  stop > continue), with that member's verdict; ties go to the first member listed.
+  stop > unavailable > continue), with that member's verdict; ties go to the first member listed.
 - `all_of(a, b, ...)`: a trace is acted on only if every member asks for some action; the action is the
   mildest of theirs and the score the lowest (every member must agree that something is wrong).
 - `weighted((a, 2.0), (b, 1.0), threshold=0.5, action=ESCALATE)`: the members' scores (each on 0-1)
   averaged with the weights; below `threshold` the trace gets `action`, else it continues. Members
-  that have not looked at a trace yet (not due) do not count in its average.
+  that have not looked at a trace yet (not due), or could not (unavailable), do not count in its average.
 
 A combination looks as often as its most frequent member (`every`) and asks for as many alternatives
 per token as its neediest one.
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from verifiers.base import NOT_CHECKED, SEVERITY, Action, Context, Trace, Verdict, Verifier
+from verifiers.base import NOT_CHECKED, PASSES, SEVERITY, Action, Context, Trace, Verdict, Verifier
 
 
 class _Combined(Verifier):
@@ -52,7 +52,7 @@ class AllOf(_Combined):
     def check(self, context: Context, traces: Sequence[Trace]) -> list[Verdict]:
         out = []
         for per_trace in zip(*self._all_verdicts(context, traces), strict=True):
-            if any(v.action is Action.CONTINUE for v in per_trace):
+            if any(v.action in PASSES for v in per_trace):
                 out.append(
                     NOT_CHECKED
                     if all(v is NOT_CHECKED for v in per_trace)
@@ -79,7 +79,11 @@ class Weighted(_Combined):
     def check(self, context: Context, traces: Sequence[Trace]) -> list[Verdict]:
         out = []
         for per_trace in zip(*self._all_verdicts(context, traces), strict=True):
-            looked = [(v, w) for v, w in zip(per_trace, self.weights, strict=True) if v is not NOT_CHECKED]
+            looked = [
+                (v, w)
+                for v, w in zip(per_trace, self.weights, strict=True)
+                if v is not NOT_CHECKED and v.action is not Action.UNAVAILABLE  # did not look, or could not
+            ]
             total = sum(w for _, w in looked)
             if not total:
                 out.append(NOT_CHECKED)

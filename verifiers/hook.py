@@ -5,7 +5,7 @@ it every step's outputs; the hook keeps each choice's trace (tokens, text, logpr
 verifier says so, ends running choices through the engine's abort path: stop (kept), prune (dropped)
 or escalate. Verdicts on finished choices are kept too (`final`): a final-only verifier's escalate is
 what a cascade acts on. Every non-continue verdict is recorded once per choice (`actions`), for the
-response header and the usage row.
+response header and the usage row; `unavailable` (a check that could not run) is recorded and acts as continue.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import replace
 from typing import Any
 
 from engines.request import FinishReason, RequestOutput
-from verifiers.base import NOT_CHECKED, Action, Ask, Context, Trace, Verdict, Verifier
+from verifiers.base import NOT_CHECKED, PASSES, Action, Ask, Context, Trace, Verdict, Verifier
 
 ENDS = {Action.STOP: FinishReason.STOP, Action.PRUNE: FinishReason.PRUNED, Action.ESCALATE: FinishReason.ESCALATE}
 
@@ -68,6 +68,8 @@ class VerifierHook:
             if verdict.action is Action.CONTINUE:
                 continue
             self._record(trace, verdict)
+            if verdict.action is Action.UNAVAILABLE:
+                continue
             if not trace.finished:
                 ends[rid] = ENDS[verdict.action]
                 self._ended[rid] = verdict
@@ -88,6 +90,7 @@ class VerifierHook:
         for trace, verdict in zip(done, self.checks.check(context, done), strict=True):
             if verdict.action is not Action.CONTINUE:
                 self._record(trace, verdict)
+            if verdict.action not in PASSES:
                 with self._lock:
                     self._failed_checks += 1
 

@@ -5,13 +5,15 @@ lines, and `f(1) ==> 2` lines (`grading.examples` says which forms count and why
 from the prompt, runs them against the answer's code (after the prompt's own code, so its imports and
 helpers stay) in `grading.sandbox`, and escalates if one fails or the run times out. A prompt without
 examples of a function the prompt or the answer defines has nothing to check: it continues, saying so.
-No tests from the caller are needed (that is the `code` check).
+No tests from the caller are needed (that is the `code` check). Where this machine has no jail the check
+does not run: it says `unavailable` and the answer is served without it.
 """
 
 from __future__ import annotations
 
 from grading.answers import answer_code
 from grading.examples import defined_functions, prompt_code, prompt_examples, run_examples, solution
+from grading.sandbox import JailUnavailable
 from verifiers.base import Action, Context, Trace, TraceVerifier, Verdict
 
 NO_EXAMPLES = "the prompt gives no examples to run"
@@ -29,7 +31,10 @@ class PromptExamples(TraceVerifier):
         examples = prompt_examples(prompt, functions)
         if not examples:
             return self.verdict(Action.CONTINUE, 1.0, NO_EXAMPLES)
-        result = run_examples(solution(prompt, trace.text, functions), examples, timeout=self.timeout)
+        try:
+            result = run_examples(solution(prompt, trace.text, functions), examples, timeout=self.timeout)
+        except JailUnavailable as exc:  # the prompt's code and the answer's are never run unjailed
+            return self.not_run(exc)
         if result.passed:
             return self.verdict(Action.CONTINUE, 1.0, f"{len(examples)} prompt examples pass")
         lines = result.stderr.strip().splitlines() or ["failed"]

@@ -1,4 +1,6 @@
-"""Liveness and readiness: `GET /healthz` (no key needed; reveals no tenant data)."""
+"""Liveness and readiness: `GET /healthz` (no key needed; reveals no tenant data). It also says whether this
+machine can jail code (`sandbox`); without a jail the code checks say `unavailable`, and the gateway is
+still healthy: it serves every request, without those checks."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pydantic import BaseModel, Field
 from core.settings import TierSettings
 from engines.protocol import TierEngine
 from gateway.deps import ServicesDep, SettingsDep
+from grading.sandbox import jail_status
 
 router = APIRouter(tags=["health"])
 
@@ -23,10 +26,17 @@ class EngineHealth(BaseModel):
     breaker: Literal["closed", "open", "half_open"] | None = Field(None, description="remote tiers' circuit")
 
 
+class SandboxHealth(BaseModel):
+    jail: Literal["on", "unavailable"] = Field(description="whether code checks can run (docs/verifiers.md#the-jail)")
+    reason: str = Field(description="why there is no jail; empty when there is one")
+    layers: dict[str, str] = Field(description='each protection: "on: ..." or "off: why"')
+
+
 class Health(BaseModel):
     status: Literal["ok", "degraded"]
     database: str = Field(description='"ok", or why it is unreachable')
     engines: dict[str, EngineHealth]
+    sandbox: SandboxHealth = Field(description="the jail for model- and prompt-written code; never makes it degraded")
 
 
 @router.get("/healthz", response_model=Health, responses={503: {"model": Health, "description": "Something is down"}})
@@ -40,7 +50,8 @@ async def healthz(services: ServicesDep, settings: SettingsDep) -> JSONResponse:
     engines = {name: _engine_health(e) for name, e in running.items()}
     # A tier that is down while a live fallback serves its requests does not make the gateway unhealthy.
     healthy = database == "ok" and all(_serves(name, running, settings.tiers) for name in running)
-    body = {"status": "ok" if healthy else "degraded", "database": database, "engines": engines}
+    sandbox = (await anyio.to_thread.run_sync(jail_status)).as_dict()  # probed once, at start
+    body = {"status": "ok" if healthy else "degraded", "database": database, "engines": engines, "sandbox": sandbox}
     return JSONResponse(body, status_code=200 if healthy else 503)
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.cli.common import Failure, load_settings, open_database
+from grading.sandbox import add_unsafe_flag, require_jail
 
 __all__ = ["register"]
 
@@ -29,6 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     tune.add_argument("--stop", action="append", default=[], metavar="TEXT", help="a stop string to try (repeat)")
     tune.add_argument("--seed", type=int, default=0)
     tune.add_argument("--plot", metavar="PATH", help="also write the PNG here (it is stored with the proposal)")
+    add_unsafe_flag(tune)
     tune.set_defaults(handler=_policy_tune)
     plist = policy.add_parser("proposals", help="a tenant's tuning proposals")
     plist.add_argument("tenant", metavar="TENANT")
@@ -78,6 +80,8 @@ def _policy_tune(args: argparse.Namespace) -> int:
 
     if args.sample < 1 or args.max_tokens < 1 or not 0 <= args.tolerance <= 1:
         raise Failure("--sample and --max-tokens must be at least 1, --tolerance between 0 and 1")
+    if args.dataset == "humaneval":
+        require_jail(args.unsafe_local_grading)
     tenant_id, policies, proposals = _proposal_stores(args.tenant)
     request = TuneRequest(
         tenant_id, dataset=args.dataset, sample=args.sample, tier=args.tier, judge_tier=args.judge_tier,

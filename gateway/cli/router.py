@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from gateway.cli.common import Failure, load_settings, open_database
 from grading.datasets import SOURCES
+from grading.sandbox import add_unsafe_flag, require_jail
 
 if TYPE_CHECKING:
     import numpy as np
@@ -33,6 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     rlabel.add_argument("--max-tokens", type=int, default=512, metavar="N", help="longest answer of either tier")
     rlabel.add_argument("--concurrency", type=int, default=24, metavar="N", help="items in flight at once")
     rlabel.add_argument("--keep-text", action="store_true", help="also store both answers in each row")
+    add_unsafe_flag(rlabel)
     rlabel.set_defaults(handler=_router_label)
     where = {"help": "the router's directory (default: HOME/router)", "metavar": "DIR"}
     rtrain = router.add_parser("train", help="train on a label file; keeps the best of the candidate classifiers")
@@ -83,6 +85,8 @@ def _router_label(args: argparse.Namespace) -> int:
     if (args.per_source is not None and args.per_source < 1) or args.max_tokens < 1 or args.concurrency < 1:
         raise Failure("--per-source, --max-tokens and --concurrency must be at least 1")
     out = Path(args.out).expanduser() if args.out else DEFAULT_OUT
+    if "humaneval" in (args.sources or SOURCES):
+        require_jail(args.unsafe_local_grading)
     try:
         print(label_tiers(
             settings, lambda: load_engines(settings), out,

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from gateway.cli.common import Failure, load_settings
+from grading.sandbox import add_unsafe_flag, require_jail
 
 __all__ = ["register"]
 
@@ -24,6 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     vprobe.add_argument("--tier", default="small", help="the tier whose answers it judges (default: small)")
     vprobe.add_argument("--max-tokens", type=int, default=512, metavar="N", help="longest answer (as labeled)")
     vprobe.add_argument("--sources", nargs="+", choices=("gsm8k", "humaneval"), help="default: both")
+    add_unsafe_flag(vprobe)
     vprobe.set_defaults(handler=_verifiers_train_probe)
 
 
@@ -48,6 +50,8 @@ def _verifiers_train_probe(args: argparse.Namespace) -> int:
     directory = Path(args.out).expanduser() if args.out else settings.probe_path
     labels = Path(args.labels).expanduser() if args.labels else DEFAULT_OUT
     tier = settings.tiers[args.tier]
+    if "humaneval" in (args.sources or SOURCES):
+        require_jail(args.unsafe_local_grading)
     try:
         items = labeled_items(labels, settings.home_dir, args.sources or SOURCES)
         answers, model = directory / ANSWERS_FILE, tier_model(tier)
