@@ -50,7 +50,7 @@ def _bwrap(plan: Plan, work: str) -> list[str]:
     args = [plan.bubblewrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts"]
     args += ["--unshare-cgroup-try", "--die-with-parent", "--new-session", "--clearenv", "--hostname", "jail"]
     if plan.user_namespace:
-        args += ["--unshare-user", "--disable-userns"]
+        args += ["--unshare-user"]  # no nested ones: seccomp refuses CLONE_NEWUSER
     else:
         args += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     args += ["--tmpfs", "/"]

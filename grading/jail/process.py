@@ -17,6 +17,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from grading.jail.command import Plan, command, prepare, run_uid
 
@@ -86,7 +87,7 @@ def run(plan: Plan, program: str, timeout: float, limits: Limits, prefix: list[s
     return SandboxResult(None if timed_out else returncode, timed_out, stdout, stderr)
 
 
-def _wait(argv: list[str], cwd: str, out, err, ready_w: int, timeout: float) -> tuple[int, bool]:  # noqa: ANN001
+def _wait(argv: list[str], cwd: str, out: BinaryIO, err: BinaryIO, ready_w: int, timeout: float) -> tuple[int, bool]:
     proc = subprocess.Popen(
         argv,
         cwd=cwd,

@@ -188,3 +188,21 @@ def test_humaneval_canonical_solutions_all_pass_in_the_jail() -> None:
         stubs = list(pool.map(lambda it: grade_humaneval(it, "    return None\n"), items[:20]))
     assert len(items) == 164 and [it.id for it, ok in zip(items, passed, strict=True) if not ok] == []
     assert not any(stubs)
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["-m", "bench.savings", "--requests", "4"],
+        ["-m", "gateway.cli", "router", "label", "--sources", "humaneval", "--per-source", "1"],
+    ],
+    ids=["bench.savings", "router label"],
+)
+def test_what_grades_humaneval_refuses_to_start_without_a_jail(command: list[str], tmp_path: Path) -> None:
+    import os
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, WITHOUT_ENV: "seccomp", "OMP_NUM_THREADS": "1", "SWITCHBOARD_HOME": str(tmp_path)}
+    done = subprocess.run([sys.executable, *command], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "cannot jail it" in done.stderr and "--unsafe-local-grading" in done.stderr
+    assert list(tmp_path.iterdir()) == []  # refused before fetching, loading or writing anything

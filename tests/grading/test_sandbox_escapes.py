@@ -94,8 +94,9 @@ def needs_shadow(case: Case, t: Target) -> None:
         pytest.fail("the /etc/shadow cases need a readable /etc/shadow to plant against (run the tests as root)")
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def fresh_status() -> Iterator[None]:
+    """For a test that changes what the machine offers: the status is computed again, before and after."""
     jail_status.cache_clear()
     yield
     jail_status.cache_clear()
@@ -124,7 +125,7 @@ def test_the_jail_stops_each_escape(case: Case, target: Target) -> None:
 
 
 def test_bubblewrap_alone_stops_them(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, evil: str, pg: tuple[str, str]
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, evil: str, pg: tuple[str, str], fresh_status: None
 ) -> None:
     """No Landlock (as on a kernel without it): the namespaces, the uid and seccomp hold on their own."""
     monkeypatch.setenv(WITHOUT_ENV, "landlock")
