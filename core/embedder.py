@@ -56,6 +56,14 @@ class Embedder:
         """The longest input MiniLM takes, in word pieces with [CLS] and [SEP] (sentence-transformers cuts the rest)."""
         return int(self._load().max_seq_length)  # type: ignore[attr-defined]
 
+    def fits(self, text: str) -> bool:
+        """Whether MiniLM reads all of `text` (its word pieces, with [CLS] and [SEP], within `max_tokens()`):
+        a longer text's vector is its first window's."""
+        if len(text) <= self.max_tokens():  # a word piece is at least one character
+            return True
+        ids = self.tokenizer()(text, add_special_tokens=True, truncation=False, verbose=False)["input_ids"]
+        return len(ids) <= self.max_tokens()
+
     def encode(self, texts: list[str]) -> np.ndarray:
         """(len(texts), 384) float32, each row of unit length."""
         found: dict[str, np.ndarray] = {}

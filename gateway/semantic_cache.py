@@ -12,7 +12,9 @@ pairs (`gateway/data/semantic_pairs.jsonl`) to a false-hit rate ≤ 1%; the answ
 must be identical; and the two texts must not differ in numbers (digits or number words), negation,
 named entities, quoted strings, a single content word or the direction of a conversion, which embeddings
 are known to blur, and where they share sentences (a template's frame), the sentences that differ must pass
-the threshold on their own (`gateway.semantic_guard`, `shares_answer`).
+the threshold on their own (`gateway.semantic_guard`, `shares_answer`). A text longer than MiniLM reads
+(256 word pieces) is judged by what differs, cut out by sentences or words, never by its first window's
+vector alone (`frame_similarity`).
 
 RediSearch is detected (`SemanticCache.redisearch`, from `MODULE LIST` or `FT._LIST`) and logged, but
 not used: the search runs in-process either way.
@@ -36,7 +38,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from core.embedder import Embedder
 from gateway.normalize import CacheKey
-from gateway.semantic_guard import differing_sentences, guard, only_framing_differs
+from gateway.semantic_guard import differing_sentences, differing_words, guard, only_framing_differs
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +61,17 @@ def frame_similarity(embedder: Embedder, a: str, b: str) -> float | None:
     """How alike the sentences are in which two texts that share others differ (`differing_sentences`):
     the similarity a template's filled-in slot must pass, as a whole question must; None without a shared
     frame. Sentences that differ only in politeness ("Please, hi!" / "Hi!", "Thanks!") count as the same, a
-    sentence only added otherwise as different."""
+    sentence only added otherwise as different.
+
+    A text longer than MiniLM reads (`Embedder.fits`: 256 word pieces) is never judged by its first window
+    alone: what differs is cut out, by sentences, else (no shared sentence, or a differing sentence itself
+    too long) by words (`differing_words`), and must fit the window and pass on its own; what differs past
+    the window in more than MiniLM reads hits only exactly (0.0)."""
     parts = differing_sentences(a, b)
+    if not (embedder.fits(a) and embedder.fits(b)) and (parts is None or not all(map(embedder.fits, parts))):
+        parts = differing_words(*(parts or (a, b)))
+        if parts is not None and not all(map(embedder.fits, parts)):
+            return 0.0
     if parts is None:
         return None
     x, y = parts

@@ -7,6 +7,7 @@ cuts away the sentences two texts share (a template's frame: an instruction, a l
 so that the similarity the cache tests is that of what was filled in, not of the whole text, where a long
 shared frame makes different slots look alike ("Write one sentence about the city at night." / "... about
 a lighthouse." with the same long instruction after each: 0.807 similar as wholes, 0.61 as sentences).
+`differing_words(a, b)` does the same by words, for long texts without sentences to cut at.
 """
 
 from __future__ import annotations
@@ -105,11 +106,19 @@ def _entities(text: str) -> set[str]:
     return found
 
 
+_ANY_NUMBER = re.compile(f"{_NUMBER.pattern}|{_NUMBER_WORD.pattern}", re.I)
+
+
 def _numbers(text: str) -> list[str]:
-    """The multiset of numbers, digits and number words alike, thousands separators dropped ("1,000")."""
-    found = [n.replace(",", "") if re.fullmatch(r"\d{1,3}(?:,\d{3})+", n) else n for n in _NUMBER.findall(text)]
-    found += [_NUMBER_WORDS[w.lower()] for w in _NUMBER_WORD.findall(text)]
-    return sorted(found)
+    """The numbers in the order they come, digits and number words alike, thousands separators dropped
+    ("1,000"): "5 minus 2" is not "2 minus 5", nor `f(1, 2)` `f(2, 1)`."""
+    found = []
+    for n in _ANY_NUMBER.findall(text):
+        if n.lower() in _NUMBER_WORDS:
+            found.append(_NUMBER_WORDS[n.lower()])
+        else:
+            found.append(n.replace(",", "") if re.fullmatch(r"\d{1,3}(?:,\d{3})+", n) else n)
+    return found
 
 
 def _words(text: str) -> list[str]:
@@ -175,8 +184,9 @@ def guard(a: str, b: str) -> str | None:
     if _swapped(a, b):
         return "swapped"
     wa, wb = set(re.findall(r"\w+", a.lower())), set(re.findall(r"\w+", b.lower()))
+    only_a, only_b = wa - wb, wb - wa  # a word both texts have is no swap: a long document has "before" and "after"
     for x, y in _OPPOSITES:
-        if (x in wa and y in wb) or (y in wa and x in wb):
+        if (x in only_a and y in only_b) or (y in only_a and x in only_b):
             return "opposites"
     return None
 
@@ -208,7 +218,27 @@ def differing_sentences(a: str, b: str) -> tuple[str, str] | None:
     return " ".join(sa[head : len(sa) - tail]), " ".join(sb[head : len(sb) - tail])
 
 
+def differing_words(a: str, b: str) -> tuple[str, str] | None:
+    """The words between the two texts' shared leading and trailing words (split at whitespace, case aside),
+    when they differ at all; else None. For what has no sentences to cut at (a word list, a long
+    comma-separated list, a log line, a table row): the part of a long text its embedding may not even see."""
+    wa, wb = a.split(), b.split()
+    la, lb = [w.lower() for w in wa], [w.lower() for w in wb]
+    if la == lb:
+        return None
+    n = min(len(la), len(lb))
+    head = 0
+    while head < n and la[head] == lb[head]:
+        head += 1
+    tail = 0
+    while tail < n - head and la[-1 - tail] == lb[-1 - tail]:
+        tail += 1
+    return " ".join(wa[head : len(wa) - tail]), " ".join(wb[head : len(wb) - tail])
+
+
 def only_framing_differs(x: str, y: str) -> bool:
     """The words one text has and the other lacks are all politeness and framing ("Please, hi!" / "Hi!",
-    "Thanks!" / ""): no question changed."""
-    return not (set(_words(x)) ^ set(_words(y))) - _STOP
+    "Thanks!" / ""), and the others come in the same order ("f(1, 2)" / "f(2, 1)" is no politeness): no
+    question changed."""
+    kept = lambda t: [w for w in _words(t) if w not in _STOP]  # noqa: E731
+    return kept(x) == kept(y)

@@ -87,6 +87,12 @@ def check_sandbox(out: str) -> None:
     assert r["runs"] == 2 and r["layers"]["self_test"].startswith("passed") and "humaneval_solutions" not in r
 
 
+def check_semantic_long(out: str) -> None:
+    r = last_json(out, {"pairs", "ways", "threshold"})
+    assert r["pairs"] == 12 and set(r["ways"]) == {"truncated", "windows", "differing", "exact"}
+    assert r["ways"]["differing"]["a needle past the window"] == 0.0  # the rule this bench chose
+
+
 def check_gpu(out: str) -> None:
     assert "no CUDA device on this machine; nothing to measure" in out
 
@@ -102,6 +108,7 @@ SMALL: dict[str, tuple[list[str], Callable[[str], None], tuple[str, ...]]] = {
     "load": (["--mode", "both", "--concurrency", "2", "--duration", "0.5", "--max-tokens", "4"], check_load,
              ("postgres_server", "redis_server")),
     "sandbox": (["--runs", "2", "--no-humaneval"], check_sandbox, ()),
+    "semantic_long": (["--per-kind", "2"], check_semantic_long, ()),
 }  # fmt: skip
 SLOW = {"decode_speed", "load"}
 if not torch.cuda.is_available():  # without CUDA it says so and exits 0; with CUDA it loads every tier: --help

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,8 +24,9 @@ from gateway.semantic_cache import (
     calibration_report,
     frame_similarity,
     load_pairs,
+    shares_answer,
 )
-from gateway.semantic_guard import differing_sentences, guard
+from gateway.semantic_guard import differing_sentences, differing_words, guard
 from policies.policy import CacheSettings
 
 SETTINGS = CacheSettings(semantic=True)
@@ -58,6 +60,8 @@ def key(text: str, **params: object) -> object:
         ("List three primary colors.", "List three secondary colors.", "swapped"),
         ("How do I install numpy?", "How do I uninstall numpy?", "swapped"),
         ("Print the numbers from one to ten.", "Print the numbers from one to 20.", "numbers"),
+        ("What is 5 minus 2?", "What is 2 minus 5?", "numbers"),  # the same numbers in another order
+        ("Call f(1, 2) on a long list", "Call f(2, 1) on a long list", "numbers"),
         ("Give me two examples.", "Give me three examples.", "numbers"),
         ("Is it safe to eat raw eggs?", "Is it not safe to eat raw eggs?", "negation"),
         ("How do I print without a newline?", "How do I print with a newline?", "negation"),
@@ -124,6 +128,56 @@ def test_a_template_slot_filled_differently_is_judged_on_its_own(embedder: Embed
     assert frame_similarity(embedder, "How do I sort a list?", "How do I sort a Python list?") is None
 
 
+# Past MiniLM's window (256 word pieces): plain words no guard reads (no numbers, negation or names).
+VOCAB = ["river", "stone", "light", "garden", "window", "paper", "music", "forest", "cloud", "bridge", "table",
+         "letter", "ocean", "mountain", "candle"]  # fmt: skip
+RUN = " ".join(VOCAB[(i * 7) % len(VOCAB)] for i in range(600))  # 600 words, no sentence end
+MORE = " ".join(VOCAB[(i * 5) % len(VOCAB)] for i in range(200))
+LAST_WORD = " What is the last word of the text above?"
+# A real document (this project's own README, about 2,000 words) asked about twice in other words.
+DOCUMENT = (Path(__file__).resolve().parents[2] / "README.md").read_text()[:9000]
+
+
+def test_a_long_text_is_never_judged_by_its_first_window(embedder: Embedder) -> None:
+    """The issue's pair: 600 words and "gamma" against the same 600, 200 more and "tau", asked the same. Their
+    vectors are MiniLM's first 256 word pieces alone, so they are 1.0 similar; no guard and no sentence frame
+    tells them apart, which is how the cache served B A's answer before what differs was judged on its own."""
+    a, b = f"{RUN} gamma{LAST_WORD}", f"{RUN} {MORE} tau{LAST_WORD}"
+    assert embedder.max_tokens() == 256 and not embedder.fits(a) and embedder.fits("gamma")
+    va, vb = embedder.encode([a, b])
+    assert float(va @ vb) > 0.9999 and guard(a, b) is None and differing_sentences(a, b) is None  # the hit before
+    assert differing_words(a, b) == ("gamma", f"{MORE} tau")
+    assert frame_similarity(embedder, a, b) < DEFAULT_THRESHOLD and not shares_answer(embedder, a, b, DEFAULT_THRESHOLD)
+    # on its own line the question makes a frame, but what differs is itself past the window: cut by words
+    a2, b2 = f"{RUN} gamma\n{LAST_WORD}", f"{RUN} {MORE} tau\n{LAST_WORD}"
+    assert differing_sentences(a2, b2) is not None and not shares_answer(embedder, a2, b2, DEFAULT_THRESHOLD)
+
+
+def test_lists_and_logs_changed_past_the_window_miss(embedder: Embedder) -> None:
+    items = ", ".join(VOCAB[(i * 3) % len(VOCAB)] for i in range(300))
+    ask = "\nWhich item appears most often?"
+    appended = (f"{items}{ask}", f"{items}, {MORE.replace(' ', ', ')[:400]}{ask}")
+    log = " ".join(f"host=web ip=local path=/{w} status=served" for w in VOCAB * 5)
+    logs = (log + " level=info", log + " level=warn")  # one field past the window
+    for a, b in (appended, logs):
+        va, vb = embedder.encode([a, b])
+        assert not embedder.fits(a) and float(va @ vb) >= DEFAULT_THRESHOLD  # a candidate, as before
+        assert not shares_answer(embedder, a, b, DEFAULT_THRESHOLD), (a[-80:], b[-80:])
+    minified = "f=function(a,b){return(a+b)};" * 120  # no whitespace: what differs is all of it, past the window
+    assert not embedder.fits(minified) and frame_similarity(embedder, minified + "g()", minified + "h()") == 0.0
+
+
+def test_a_long_document_asked_twice_in_other_words_still_hits(embedder: Embedder) -> None:
+    a = f"{DOCUMENT}\n\nHow do I create a virtual environment in Python?"
+    b = f"{DOCUMENT}\n\nHow can I make a Python virtual environment?"
+    assert not embedder.fits(a) and "before" in DOCUMENT and "after" in DOCUMENT
+    assert guard(a, b) is None  # opposites both texts carry are no swap (they once refused every long document)
+    assert shares_answer(embedder, a, b, DEFAULT_THRESHOLD)
+    assert shares_answer(embedder, a, a + " Thanks!", DEFAULT_THRESHOLD)  # politeness only
+    c = f"{DOCUMENT}\n\nHow do I parse JSON in JavaScript?"
+    assert not shares_answer(embedder, a, c, DEFAULT_THRESHOLD)  # another question about the same document
+
+
 def test_calibrated_threshold_on_the_shipped_pairs(embedder: Embedder) -> None:
     pairs = load_pairs()
     assert len(pairs) >= 120 and sum(s for *_, s in pairs) >= 50
@@ -175,6 +229,10 @@ TABLE = [
      "Write one sentence about a lighthouse." + INSTRUCTION * 3, False),
     ("Keep the answer short. How do I center a div in CSS?", "Keep the answer short. How can I center a div using CSS?",
      True),
+    # past MiniLM's window: what differs decides
+    (f"{RUN} gamma{LAST_WORD}", f"{RUN} {MORE} tau{LAST_WORD}", False),
+    (f"{DOCUMENT}\n\nHow do I create a virtual environment in Python?",
+     f"{DOCUMENT}\n\nHow can I make a Python virtual environment?", True),
 ]  # fmt: skip
 
 
