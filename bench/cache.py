@@ -183,7 +183,7 @@ def main() -> None:
     services = from_tests("services")
 
     from core.settings import Settings
-    from gateway.tenants import create_tenant
+    from gateway.accounting.tenants import create_tenant
     from policies.policy import Policy
 
     trace = build_trace(home, args.mtbench, args.chats, rng)
@@ -199,11 +199,11 @@ def main() -> None:
         )
         base, server, thread = serve(settings)
         app = server.config.app  # type: ignore[attr-defined]
-        from gateway.deps import app_services
+        from gateway.api.deps import app_services
 
         db = app_services(app).db
         key = create_tenant(db, "bench").key
-        from gateway.tenants import authenticate
+        from gateway.accounting.tenants import authenticate
 
         who = authenticate(db, key)
         app_services(app).policies.save(who.tenant_id, Policy.model_validate({"cache": {"semantic": True}}), "bench")

@@ -217,7 +217,7 @@ class _Tier:
 
     def load(self) -> Any:
         if self._engine is None:
-            from gateway.tiers import load_engines
+            from gateway.runtime.tiers import load_engines
 
             self._engine = load_engines(self.settings)[self.name]  # the settings hold this tier alone
         return self._engine

@@ -16,7 +16,7 @@ from bench.savings_gateway import limits, prepare_router, start_gateway
 def gateway(home: Path, out: Path, threads: int) -> Iterator[tuple[str, str, str]]:
     """(its URL, a tenant's key, its database URL) while it runs."""
     from core.db.database import Database
-    from gateway.tenants import create_tenant, tenant_by_name
+    from gateway.accounting.tenants import create_tenant, tenant_by_name
     from policies.policy import CacheSettings, Policy
     from policies.store import PolicyStore
 

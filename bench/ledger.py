@@ -58,11 +58,11 @@ from core.settings import Settings, TierSettings
 from engines.async_engine import AsyncEngine
 from engines.protocol import RequestRejected
 from engines.request import EngineRequest, FinishReason, RequestOutput
-from gateway.ledger import AMOUNTS, COUNTS, Ledger, UsageRecord, rebuild_rollup
+from gateway.accounting.ledger import AMOUNTS, COUNTS, Ledger, UsageRecord, rebuild_rollup
+from gateway.accounting.reports import costs, savings
+from gateway.accounting.tenants import Principal, authenticate, create_tenant
+from gateway.http.schemas import ChatCompletionRequest
 from gateway.pipeline import Pipeline
-from gateway.reports import costs, savings
-from gateway.schemas import ChatCompletionRequest
-from gateway.tenants import Principal, authenticate, create_tenant
 from policies.budgets import Budgets, Reservation
 from policies.counters import LocalCounters, RedisCounters
 from policies.policy import Budget, Policy, RateLimits

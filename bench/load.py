@@ -386,7 +386,7 @@ def launch_serve(
 
 def start_gateway(home: Path, sqlite: bool, log: Path, cprofile: Path | None = None) -> Gateway:
     from core.db.database import Database
-    from gateway.tenants import create_tenant
+    from gateway.accounting.tenants import create_tenant
     from policies.policy import Budget, Policy, RateLimits
     from policies.store import PolicyStore
 
@@ -406,7 +406,7 @@ def start_gateway(home: Path, sqlite: bool, log: Path, cprofile: Path | None = N
     db = Database(db_url)
     db.upgrade()
     issued = create_tenant(db, "bench-load")
-    from gateway.tenants import authenticate
+    from gateway.accounting.tenants import authenticate
 
     principal = authenticate(db, issued.key)
     assert principal is not None

@@ -32,7 +32,7 @@ from engines.engine import Engine, EngineConfig
 from engines.models.config import ModelConfig
 from engines.request import EngineRequest
 from engines.sampling import SamplingParams
-from gateway.model_quality import gsm8k_accuracy
+from gateway.runtime.model_quality import gsm8k_accuracy
 from grading.datasets import heldout_text, load_gsm8k
 
 MODEL = "qwen2.5-coder-1.5b-instruct"

@@ -59,7 +59,7 @@ def main() -> int:
     import numpy as np
 
     from core.settings import Settings
-    from gateway.tiers import load_engines
+    from gateway.runtime.tiers import load_engines
     from grading.datasets import load_gsm8k_items, load_mtbench_items
     from policies.policy import Policy
     from policies.tune_quality import Judge, grader

@@ -34,7 +34,7 @@ from engines.kv.cache import bytes_per_token
 from engines.models.config import ModelConfig
 from engines.request import EngineRequest
 from engines.sampling import SamplingParams
-from gateway.model_quality import gsm8k_accuracy
+from gateway.runtime.model_quality import gsm8k_accuracy
 from grading.datasets import heldout_text, load_gsm8k
 
 

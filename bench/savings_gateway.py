@@ -143,7 +143,7 @@ def create_tenants(
 ) -> tuple[dict[tuple[str, str], Tenant], str, str]:
     """Tenants for each run and role, a judge tenant, and the operator's finance and admin keys."""
     from core.db.database import Database
-    from gateway.tenants import create_tenant, tenant_by_name
+    from gateway.accounting.tenants import create_tenant, tenant_by_name
     from policies.policy import Policy
     from policies.store import PolicyStore
 
@@ -204,7 +204,7 @@ def _tier_env(profile: str, threads: int) -> dict[str, str]:
 def start_gateway(home: Path, profile: str, router_dir: Path, embedded: bool, log: Path, threads: int) -> Served:
     """`switchboard serve` in a subprocess on a fresh database; healthy when this returns."""
     from core.db.database import Database
-    from gateway.tenants import use_key_secret
+    from gateway.accounting.tenants import use_key_secret
 
     cleanups: list[Callable[[], None]] = []
     tmp = tempfile.TemporaryDirectory(prefix="sb-bench-savings-")

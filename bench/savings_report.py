@@ -97,7 +97,7 @@ def served_p_small_ok(router_dir: Path, conversations: Sequence[Any], home: Path
     """P(small is good enough) as the gateway computes it: from the small tier's hidden state where the
     router reads one (computed here on that tier, feature cache under `home`), else from the text."""
     from core.settings import Settings
-    from gateway.tiers import load_tier_engine
+    from gateway.runtime.tiers import load_tier_engine
     from router_model.hidden import FEATURES_DIR, conversation_states
     from router_model.model import load_router
 

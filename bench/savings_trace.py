@@ -8,10 +8,10 @@ The mix, by request (repeats included), from exact quotas so the shares hold at 
 GSM8K 35% (at least a third), HumanEval 27% (at least a quarter), short facts 18%, MT-bench first
 turns 12%, chat openers 8%. About `repeat_share` (default 0.3, never above `MAX_REPEAT_SHARE`) of the
 requests ask an earlier request's question again, mostly for the same tenant (the response cache is
-per tenant): an exact `repeat`; a `respace` (whitespace only: `gateway.normalize` folds it, so it is
+per tenant): an exact `repeat`; a `respace` (whitespace only: `gateway.cache.normalize` folds it, so it is
 the same cache key); or a `paraphrase` (a "Please," prefix, a changed case or a punctuation change:
 another exact key, a semantic cache's business). Each variant is checked against
-`gateway.normalize.normalize_text` as it is made. Three tenants (`TENANTS`) with their weights;
+`gateway.cache.normalize.normalize_text` as it is made. Three tenants (`TENANTS`) with their weights;
 arrivals come in bursts of 5-40 requests (Poisson around `burst_mean`), bursts apart by exponential gaps.
 """
 
@@ -86,7 +86,7 @@ def quotas(n: int, shares: dict[str, float]) -> dict[str, int]:
 
 
 def _same(a: str, b: str) -> bool:
-    from gateway.normalize import normalize_text
+    from gateway.cache.normalize import normalize_text
 
     return normalize_text(a, masks=()) == normalize_text(b, masks=())
 

@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=2 .venv/bin/python -m bench.semantic_long [--per-kind 30] [--seed 0]
 
 Labeled long pairs, built from the shipped held-out text (answers of 300-900 words, as documents) and the
-shipped question pairs (`gateway/data/semantic_pairs.jsonl`):
+shipped question pairs (`gateway/cache/data/semantic_pairs.jsonl`):
 - a long document, then a question reworded (an equivalent pair): must hit;
 - the same document re-sent with only politeness changed after it ("Thanks!"): must hit;
 - a long document, then another question (a differing pair): must not;
@@ -31,8 +31,9 @@ import numpy as np
 
 from bench.common import say
 from core.embedder import Embedder
-from gateway.semantic_cache import DEFAULT_THRESHOLD, frame_similarity, load_pairs
-from gateway.semantic_guard import _NEGATION, _NUMBER_WORD, differing_sentences, guard, only_framing_differs
+from gateway.cache.calibrate import load_pairs
+from gateway.cache.guard import _NEGATION, _NUMBER_WORD, differing_sentences, guard, only_framing_differs
+from gateway.cache.semantic import DEFAULT_THRESHOLD, frame_similarity
 
 WINDOW_WORDS = 150  # about 200 word pieces: a window MiniLM reads whole
 

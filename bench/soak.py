@@ -222,7 +222,7 @@ def main() -> None:
         redis = RedisProcess(tmp / "redis.log")
         redis.start()
         cleanups.append(redis.stop)
-        from gateway.tenants import use_key_secret
+        from gateway.accounting.tenants import use_key_secret
 
         secret = secrets.token_hex(16)
         use_key_secret(secret, args.home)

@@ -134,7 +134,7 @@ def main_policy(cap: int | None = None) -> dict[str, Any]:
 def create_tenants(db_url: str) -> dict[str, str]:
     """The tenants and their keys: `admin` (operator, admin role), `soak-main`, `soak-open`, `soak-tight`."""
     from core.db.database import Database
-    from gateway.tenants import authenticate, create_tenant
+    from gateway.accounting.tenants import authenticate, create_tenant
     from policies.policy import Budget, Policy
     from policies.store import PolicyStore
 

@@ -36,7 +36,7 @@ from engines.engine import Engine, EngineConfig
 from engines.request import EngineRequest
 from engines.sampling import SamplingParams
 from engines.speculative.speculator import SpeculativeConfig
-from gateway.model_quality import gsm8k_prompt
+from gateway.runtime.model_quality import gsm8k_prompt
 from grading.datasets import load_gsm8k
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"

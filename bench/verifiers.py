@@ -50,7 +50,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from core.settings import Settings
-    from gateway.tiers import load_engines
+    from gateway.runtime.tiers import load_engines
     from grading.answers import extract_answer, reference_answer
     from grading.datasets import GSM8K_INSTRUCTION, load_gsm8k
 

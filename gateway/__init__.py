@@ -1,8 +1,13 @@
-"""The gateway, the top layer: the FastAPI app (`app.create_app`, typed dependencies in `deps`), the HTTP API
-(`api/`: the OpenAI routes, admin, finance, policies, router, tuning, health), the request pipeline
-(`pipeline/`: admission → run → metering, cascade, cache store), the response caches (`cache_stage`,
-`response_cache`, `semantic_cache`, `normalize`), routing and shadow relabeling (`routing`, `shadow`), the
-ledger (`ledger`, `usage_record`, `usage_spool`, `reports`), tenants and keys (`tenants`, `auth`), metrics
-and logs, the console (`console/`) and the `switchboard` CLI (`cli/`). Only this package and the tests
-import it (tests/test_layers.py).
+"""The gateway, the top layer. Its sub-packages, each importing only those before it:
+
+    http, runtime, accounting    leaves: the HTTP error shape and bodies; tiers and schedules; tenants,
+                                 usage rows, the ledger, reports and metrics counters
+    cache, tool_calls            the response caches; tool calls checked, constrained and parsed (→ http)
+    routing                      `model: "auto"`, shadow runs, the quality floor (→ http, accounting)
+    pipeline                     admission → run → metering, single flight, the cascade (→ all above)
+    api                          the HTTP routes, their dependencies and auth (→ all above)
+    console                      the web console (→ api's deps and auth, and below)
+
+`app.py` (`create_app`) puts them together; `cli/` (the `switchboard` command) sits on top of it. Only this
+package and the tests import it (tests/test_layers.py holds both orders).
 """

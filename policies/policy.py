@@ -50,9 +50,9 @@ class RouterCalibration(_Strict):
 
 
 class FloorRecalibration(_Strict):
-    """What the gateway wrote when a tenant's measured quality fell short of its floor (`gateway.quality_floor`):
-    the held-out curve is then aimed `offset` above the floor, and the next recalibration waits for fresh
-    shadow verdicts (counted from `judged`)."""
+    """What the gateway wrote when a tenant's measured quality fell short of its floor
+    (`gateway.routing.quality_floor`): the held-out curve is then aimed `offset` above the floor, and the next
+    recalibration waits for fresh shadow verdicts (counted from `judged`)."""
 
     offset: float = Field(ge=0.0, le=1.0, description="added to quality_ratio when the floor's threshold is computed")
     judged: int = Field(ge=0, description="the tenant's shadow verdicts when it was made; later ones decide the next")
@@ -91,7 +91,7 @@ class RouterSettings(_Strict):
         ge=0,
         le=10_000,
         description="until the tenant has this many verdicts since its last recalibration, answers are drawn at "
-        "half or more (gateway.shadow.WARMUP_SHARE) so that its estimate is worth reading early; 0: no warm-up",
+        "half or more (gateway.routing.shadow.WARMUP_SHARE) so that its estimate is worth reading early; 0: no warm-up",
     )
     shadow_billed: bool = Field(False, description="shadow runs are priced and count against the budgets")
 
@@ -227,7 +227,7 @@ class Budget(_Strict):
 # USD per million tokens, roughly in proportion to the parameters each tier reads per token
 # (135M, 494M, 1.5B): what a hosted model of that size costs.
 DEFAULT_PRICES = {
-    # `/v1/embeddings` on the in-process MiniLM (gateway.embeddings): prompt tokens only
+    # `/v1/embeddings` on the in-process MiniLM (gateway.pipeline.embeddings): prompt tokens only
     "minilm": TierPrice(prompt=Decimal("0.01"), cached_prompt=Decimal("0.01"), completion=Decimal("0")),
     "tiny": TierPrice(prompt=Decimal("0.03"), cached_prompt=Decimal("0.003"), completion=Decimal("0.10")),
     "small": TierPrice(prompt=Decimal("0.10"), cached_prompt=Decimal("0.01"), completion=Decimal("0.40")),

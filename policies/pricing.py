@@ -51,7 +51,7 @@ class Charge:
         return self.counterfactual - self.cost
 
     def ledger_fields(self) -> dict[str, Decimal]:
-        """The usage row's money columns (`gateway.ledger.UsageRecord`)."""
+        """The usage row's money columns (`gateway.accounting.ledger.UsageRecord`)."""
         return {
             "cost": self.cost,
             "counterfactual_cost": self.counterfactual,

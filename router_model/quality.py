@@ -1,6 +1,6 @@
 """A tenant's quality under `auto` against always-large, estimated from its own shadow runs.
 
-Shadow relabeling (`gateway.shadow`) re-runs a share of the answers a cheaper tier (tiny, small) served
+Shadow relabeling (`gateway.routing.shadow`) re-runs a share of the answers a cheaper tier (tiny, small) served
 on the large tier and has the large tier judge them: each run is a verdict "the cheaper answer was good
 enough" (the large answer is the reference, as `router label` grades open chat). The requests the
 router sent large are large's by definition. So, with c_t the share of the tenant's routed requests
@@ -116,7 +116,7 @@ class TenantVerdicts:
             self._verdicts.setdefault(tenant, []).append((tier, bool(ok)))
 
     def load(self, rows: Iterable[Mapping[str, Any]]) -> None:
-        """Count the live label rows that name their tenant (`gateway.shadow` writes `tenant`, and `served`
+        """Count the live label rows that name their tenant (`gateway.routing.shadow` writes `tenant`, and `served`
         since tiny answers are judged too; older rows judged the small tier's)."""
         for row in rows:
             tier = str(row.get("served", "small"))

@@ -20,9 +20,9 @@ import services
 from core.db.database import Database
 from core.db.models import Usage
 from engines.async_engine import AsyncEngine
-from gateway.deps import running_pipeline
-from gateway.ledger import UsageRecord
-from gateway.tenants import create_tenant
+from gateway.accounting.ledger import UsageRecord
+from gateway.accounting.tenants import create_tenant
+from gateway.api.deps import running_pipeline
 
 # How long a request's usage row must have been stored before `wait_for_usage` returns it: a second billing
 # of the same request (an abort racing the end of its stream, say) attempted within it fails the wait.

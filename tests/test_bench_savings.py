@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.normalize import normalize_text
+from gateway.cache.normalize import normalize_text
 from policies.policy import Policy
 
 ROOT = Path(__file__).resolve().parents[1]

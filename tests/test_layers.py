@@ -79,7 +79,7 @@ def test_nothing_below_the_gateway_imports_it() -> None:
 @pytest.mark.parametrize(
     ("path", "source"),
     [
-        ("policies/planted.py", "from gateway.errors import APIError\n"),  # up, at module level
+        ("policies/planted.py", "from gateway.http.errors import APIError\n"),  # up, at module level
         ("engines/planted.py", "def f() -> None:\n    import core.settings\n"),  # up, inside a function
         ("grading/planted.py", "from ..router_model import model\n"),  # up, relative
     ],

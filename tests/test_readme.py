@@ -1,5 +1,5 @@
 """The README stays short and true: at most 300 lines, its lists of accepted and refused request fields
-equal what `gateway.schemas` accepts and refuses, no page in docs/ calls an accepted field refused, and
+equal what `gateway.http.schemas` accepts and refuses, no page in docs/ calls an accepted field refused, and
 every relative link in README.md and docs/*.md points to a file (and heading) that exists.
 
 Each check is a function over text, shown here to catch a planted mistake.
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.schemas import UNSUPPORTED_CHAT, UNSUPPORTED_COMPLETION, ChatCompletionRequest, CompletionRequest
+from gateway.http.schemas import UNSUPPORTED_CHAT, UNSUPPORTED_COMPLETION, ChatCompletionRequest, CompletionRequest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -106,7 +106,7 @@ def test_readme_lists_exactly_the_refused_fields() -> None:
     lists = labeled_lists(README.read_text(), REFUSED_LABEL)
     assert len(lists) == 1, f"README.md needs one line starting {REFUSED_LABEL!r}"
     assert lists[0] == refused_by_schema(), (
-        f"README lists {sorted(lists[0])}; gateway.schemas refuses {sorted(refused_by_schema())}"
+        f"README lists {sorted(lists[0])}; gateway.http.schemas refuses {sorted(refused_by_schema())}"
     )
 
 
@@ -114,7 +114,7 @@ def test_readme_lists_exactly_the_accepted_fields() -> None:
     lists = labeled_lists(README.read_text(), ACCEPTED_LABEL)
     assert len(lists) == 1, f"README.md needs one line starting {ACCEPTED_LABEL!r}"
     assert lists[0] == accepted_by_schema(), (
-        f"README lists {sorted(lists[0])}; gateway.schemas accepts {sorted(accepted_by_schema())}"
+        f"README lists {sorted(lists[0])}; gateway.http.schemas accepts {sorted(accepted_by_schema())}"
     )
 
 

@@ -1,3 +1,22 @@
-"""HTTP routers, one per area: `openai` (the product API), `admin` (tenants, keys, audit, engine stats),
-`finance` (costs, savings, CSV), `policies`, `router`, `tuning` and `health`. Routes translate between HTTP
-and the pipeline or the stores; their services come from `gateway.deps`, errors leave through `gateway.errors`."""
+"""The HTTP API, one router per area: `openai` (the product API: chat and completions), `embeddings`,
+`admin` (tenants, keys, audit, engine stats), `finance` (costs, savings, CSV), `policies`, `router`, `tuning`,
+`health` and `metrics`. Routes are thin: they take their services from `deps` and the caller from `auth`,
+call the pipeline or a store, and shape the response; errors leave through `gateway.http.errors`. Nothing
+below this package imports it; the console imports only `deps` and `auth` from it.
+"""
+
+__all__ = [
+    "admin",
+    "auth",
+    "deps",
+    "embeddings",
+    "finance",
+    "health",
+    "logprobs",
+    "metrics",
+    "openai",
+    "params",
+    "policies",
+    "router",
+    "tuning",
+]

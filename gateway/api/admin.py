@@ -14,11 +14,11 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
 from core import audit
+from gateway.accounting.tenants import TenantError, create_key, create_tenant, list_keys, list_tenants, revoke_key
+from gateway.api.auth import AdminPrincipal, visible_tenant
+from gateway.api.deps import DatabaseDep, PipelineDep
 from gateway.api.params import KeyPrefix, TenantFilter, TenantName
-from gateway.auth import AdminPrincipal, visible_tenant
-from gateway.deps import DatabaseDep, PipelineDep
-from gateway.errors import APIError, documented
-from gateway.tenants import TenantError, create_key, create_tenant, list_keys, list_tenants, revoke_key
+from gateway.http.errors import APIError, documented
 
 router = APIRouter(prefix="/v1", tags=["admin"], responses=documented(401, 403, 413, 422, 503))
 

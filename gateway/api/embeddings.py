@@ -1,5 +1,5 @@
 """`POST /v1/embeddings`: OpenAI's embeddings endpoint over the gateway's embedder and remote tiers
-(`gateway.embeddings`)."""
+(`gateway.pipeline.embeddings`)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import base64
 import numpy as np
 from fastapi import APIRouter, Response
 
-from gateway.auth import CurrentPrincipal
-from gateway.deps import EmbeddingsDep
-from gateway.errors import documented
-from gateway.schemas import Embedding, EmbeddingList, EmbeddingRequest, EmbeddingUsage
+from gateway.api.auth import CurrentPrincipal
+from gateway.api.deps import EmbeddingsDep
+from gateway.http.errors import documented
+from gateway.http.schemas import Embedding, EmbeddingList, EmbeddingRequest, EmbeddingUsage
 
 router = APIRouter(prefix="/v1", tags=["openai"], responses=documented(401, 413, 422, 503))
 

@@ -13,12 +13,12 @@ import anyio
 from fastapi import APIRouter, Query, Response
 
 from core.db.database import Database
-from gateway import reports
+from gateway.accounting import reports
+from gateway.accounting.tenants import Principal
+from gateway.api.auth import CurrentPrincipal, FinancePrincipal, visible_tenant
+from gateway.api.deps import DatabaseDep
 from gateway.api.params import IsoDate, TenantFilter
-from gateway.auth import CurrentPrincipal, FinancePrincipal, visible_tenant
-from gateway.deps import DatabaseDep
-from gateway.errors import APIError, documented
-from gateway.tenants import Principal
+from gateway.http.errors import APIError, documented
 
 router = APIRouter(prefix="/v1", tags=["finance"], responses=documented(401, 413, 422, 503))
 

@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field
 
 from core.settings import TierSettings
 from engines.protocol import TierEngine
-from gateway.deps import ServicesDep, SettingsDep
+from gateway.api.deps import ServicesDep, SettingsDep
 from grading.sandbox import jail_status
 
 router = APIRouter(tags=["health"])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from engines.request import TokenLogprob
 from engines.tokenizer import Tokenizer
-from gateway.schemas import ChatLogprobs, CompletionLogprobs, TokenLogprobOut, TopLogprob
+from gateway.http.schemas import ChatLogprobs, CompletionLogprobs, TokenLogprobOut, TopLogprob
 
 
 def _top(tokenizer: Tokenizer, token_id: int, logprob: float) -> TopLogprob:

@@ -16,14 +16,12 @@ from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
+from gateway.api.auth import CurrentPrincipal
+from gateway.api.deps import PipelineDep, StartedDep
 from gateway.api.logprobs import chat_logprobs, completion_logprobs
-from gateway.auth import CurrentPrincipal
-from gateway.deps import PipelineDep, StartedDep
-from gateway.errors import APIError, documented
-from gateway.logging_setup import request_id_var
-from gateway.pipeline import Answer, ChoiceDelta, Generation, Pipeline, model_not_found
-from gateway.routing import AUTO
-from gateway.schemas import (
+from gateway.http.errors import APIError, documented
+from gateway.http.logging_setup import request_id_var
+from gateway.http.schemas import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -40,7 +38,9 @@ from gateway.schemas import (
     ToolCallDelta,
     chunk_json,
 )
-from gateway.streaming import ClientDisconnected, EventStreamResponse, sse, until_disconnect
+from gateway.http.streaming import ClientDisconnected, EventStreamResponse, sse, until_disconnect
+from gateway.pipeline import Answer, ChoiceDelta, Generation, Pipeline, model_not_found
+from gateway.routing.stage import AUTO
 from gateway.tool_calls import CallParser, CallSpec, ParsedCall, Piece, parse_answer
 
 router = APIRouter(prefix="/v1", tags=["openai"], responses=documented(401, 413, 422, 503))

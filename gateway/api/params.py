@@ -14,7 +14,7 @@ from typing import Annotated
 from fastapi import Path, Query
 from pydantic import BeforeValidator
 
-# As gateway.tenants names tenants and issues keys (`sk-sb-` and URL-safe base64).
+# As gateway.accounting.tenants names tenants and issues keys (`sk-sb-` and URL-safe base64).
 TENANT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}$"
 KEY_PREFIX_PATTERN = r"^sk-sb-[A-Za-z0-9_\-]{10,43}$"
 

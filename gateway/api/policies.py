@@ -11,16 +11,15 @@ from typing import Annotated, Any
 
 import anyio
 from fastapi import APIRouter, Body
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from core.db.models import Usage
+from gateway.api.auth import AdminPrincipal, PolicyReader, visible_tenant
+from gateway.api.deps import DatabaseDep, PipelineDep, PolicyStoreDep
 from gateway.api.params import TenantName
-from gateway.auth import AdminPrincipal, PolicyReader, visible_tenant
-from gateway.deps import DatabaseDep, PipelineDep, PolicyStoreDep
-from gateway.errors import APIError, documented
-from gateway.pipeline import Pipeline
+from gateway.http.errors import APIError, documented
 from policies.dry_run import replay
 from policies.policy import Policy
 from policies.store import PolicyError
@@ -39,7 +38,8 @@ class PolicyOut(BaseModel):
     created_at: datetime | None = None
 
 
-# Validated by `validate_policy`, which names every bad field (FastAPI's own check would name the first).
+# Validated by `Pipeline.served_policy` (`gateway.pipeline.policy_check`), which names every bad field
+# (FastAPI's own check would name the first).
 PolicyBody = Annotated[
     dict[str, Any], Body(description="the policy (the `Policy` schema), plus an optional `note` for its version")
 ]
@@ -58,27 +58,6 @@ class DryRunIn(BaseModel):
     limit: int = Field(500, ge=1, le=10_000, description="the most recent requests to replay")
 
 
-def validate_policy(body: dict[str, Any], served: list[str], *, probe: bool) -> Policy:
-    """The policy, or a 422 naming every bad field by its path. `probe`: whether this gateway has a trained
-    answer probe (the `probe` check needs one)."""
-    try:
-        policy = Policy.model_validate(body)
-    except ValidationError as exc:
-        problems = [(tuple(e["loc"]), e["msg"]) for e in exc.errors()]
-        raise _invalid(problems) from None
-    if problems := policy.check_tiers(served):
-        raise _invalid(problems)
-    if "probe" in policy.verifiers.checks and not probe:
-        why = "no answer probe is trained on this gateway (switchboard verifiers train-probe)"
-        raise _invalid([(("verifiers", "checks"), why)])
-    return policy
-
-
-def served_policy(body: dict[str, Any], pipeline: Pipeline) -> Policy:
-    """`validate_policy` against what this gateway serves: its tiers, and whether it has a probe."""
-    return validate_policy(body, list(pipeline.engines), probe=pipeline.probe is not None)
-
-
 def _note(note: object) -> str:
     """The version's note, up to 200 characters of text that PostgreSQL stores (no NUL) and UTF-8 encodes."""
     if isinstance(note, str) and "\x00" not in note:
@@ -88,17 +67,6 @@ def _note(note: object) -> str:
         except UnicodeEncodeError:  # a lone surrogate, escaped in the JSON
             pass
     raise APIError(422, "note: must be text without NUL characters", param="note", code="invalid_value")
-
-
-def _invalid(problems: list[tuple[tuple, str]]) -> APIError:
-    details = [{"param": ".".join(map(str, loc)) or None, "message": msg} for loc, msg in problems]
-    first = details[0]
-    more = f" (and {len(details) - 1} more)" if len(details) > 1 else ""
-    err = APIError(
-        422, f"{first['param'] or 'policy'}: {first['message']}{more}", param=first["param"], code="invalid_policy"
-    )
-    err.details = details
-    return err
 
 
 @router.get("", response_model=PolicyOut)
@@ -119,7 +87,7 @@ async def update(
 ) -> PolicyOut:
     t = await anyio.to_thread.run_sync(visible_tenant, db, principal, tenant)
     note = _note(body.pop("note", "")) if isinstance(body, dict) else ""
-    policy = served_policy(body, pipeline)
+    policy = pipeline.served_policy(body)
     try:
         version = await anyio.to_thread.run_sync(lambda: store.save(t.id, policy, principal.actor, note))
     except IntegrityError:
@@ -154,7 +122,7 @@ async def dry_run(
 ) -> dict[str, Any]:
     """Replay the tenant's most recent requests under `policy`: what it would refuse, cap and cost."""
     t = await anyio.to_thread.run_sync(visible_tenant, db, principal, tenant)
-    policy = served_policy(body.policy, pipeline)
+    policy = pipeline.served_policy(body.policy)
 
     def rows() -> list[Usage]:
         with db.session() as s:

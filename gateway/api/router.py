@@ -9,9 +9,9 @@ from __future__ import annotations
 from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
-from gateway.auth import AdminPrincipal
-from gateway.deps import PipelineDep
-from gateway.errors import documented
+from gateway.api.auth import AdminPrincipal
+from gateway.api.deps import PipelineDep
+from gateway.http.errors import documented
 
 router = APIRouter(prefix="/v1", tags=["admin"], responses=documented(401, 403, 413, 422, 503))
 
@@ -42,7 +42,7 @@ class Recalibration(BaseModel):
 
 
 class Quality(BaseModel):
-    """The estimate beside the floor it is held to (`gateway.quality_floor`)."""
+    """The estimate beside the floor it is held to (`gateway.routing.quality_floor`)."""
 
     floor: float | None = Field(description="policy mode quality_ratio: the share of always-large's quality promised")
     aimed_at: float | None = Field(description="the floor the held-out curve is aimed at (raised by recalibration)")

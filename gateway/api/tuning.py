@@ -13,10 +13,10 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.exc import IntegrityError
 
+from gateway.api.auth import AdminPrincipal, PolicyReader, visible_tenant
+from gateway.api.deps import DatabaseDep, ProposalStoreDep
 from gateway.api.params import TenantName
-from gateway.auth import AdminPrincipal, PolicyReader, visible_tenant
-from gateway.deps import DatabaseDep, ProposalStoreDep
-from gateway.errors import APIError, documented
+from gateway.http.errors import APIError, documented
 from policies.proposals import Proposal, ProposalError
 
 router = APIRouter(

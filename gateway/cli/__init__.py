@@ -14,9 +14,9 @@ import sys
 from collections.abc import Callable, Sequence
 
 from engines.checkpoints.fetch import FetchError
+from gateway.accounting.tenants import TenantError
 from gateway.cli import db, models, policy, router, serve, tenants, verifiers
 from gateway.cli.common import Failure
-from gateway.tenants import TenantError
 
 __all__ = ["main"]
 

@@ -19,7 +19,7 @@ class Failure(Exception):
 def load_settings() -> Settings:
     from pydantic import ValidationError
 
-    from gateway.tenants import use_key_secret
+    from gateway.accounting.tenants import use_key_secret
 
     try:
         settings = Settings()

@@ -107,7 +107,7 @@ def _models_eval(args: argparse.Namespace) -> int:
     from engines.checkpoints.quantized import fetch_quantized
     from engines.engine import Engine, EngineConfig
     from engines.models.config import UnsupportedModelError
-    from gateway.model_quality import evaluate
+    from gateway.runtime.model_quality import evaluate
 
     home = load_settings().home_dir
     path = Path(args.model).expanduser()

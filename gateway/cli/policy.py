@@ -54,7 +54,7 @@ def _proposal_id(text: str) -> int:
 
 
 def _proposal_stores(tenant: str) -> tuple[int, Any, Any]:
-    from gateway.tenants import tenant_by_name
+    from gateway.accounting.tenants import tenant_by_name
     from policies.proposals import ProposalStore
     from policies.store import PolicyStore
 
@@ -72,7 +72,7 @@ def _policy_tune(args: argparse.Namespace) -> int:
     import asyncio
 
     from engines.protocol import EngineUnavailable
-    from gateway.tiers import load_engines
+    from gateway.runtime.tiers import load_engines
     from policies.tune_report import table
     from policies.tune_run import TuneRequest, tune_tenant
     from policies.tuning import TuningError

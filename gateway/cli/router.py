@@ -79,7 +79,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _router_label(args: argparse.Namespace) -> int:
     settings = load_settings()
     os.environ.setdefault("OMP_NUM_THREADS", str(settings.max_threads))  # before torch starts, as in serve
-    from gateway.tiers import load_engines
+    from gateway.runtime.tiers import load_engines
     from router_model.label import DEFAULT_OUT, LabelError, label_tiers
 
     if (args.per_source is not None and args.per_source < 1) or args.max_tokens < 1 or args.concurrency < 1:
@@ -127,7 +127,7 @@ def _router_train(args: argparse.Namespace) -> int:
     else:
         from router_model.label import SHIPPED_LABELS as labels
     if args.from_logs:  # the shipped labels (if any) and the live ones, as one file kept beside the router
-        from gateway.shadow import labels_path
+        from gateway.routing.shadow import labels_path
         from router_model.examples import merge_label_files
 
         live = labels_path(load_settings().home_dir)
@@ -175,7 +175,7 @@ def _hidden_states(settings: Settings, layer: int | None) -> HiddenStates | None
         return None
 
     def states(examples: Sequence[Example]) -> tuple[HiddenSpec, np.ndarray]:
-        from gateway.tiers import load_tier_engine
+        from gateway.runtime.tiers import load_tier_engine
         from router_model.hidden import FEATURES_DIR, HiddenSpec, conversation_states, default_layer
         from router_model.label import tier_model
 

@@ -25,13 +25,13 @@ def _serve(args: argparse.Namespace) -> int:
         settings = settings.model_copy(update=overrides)
     # OpenMP reads this once, when torch starts: set it before the first torch import.
     os.environ.setdefault("OMP_NUM_THREADS", str(settings.max_threads))
-    from gateway.logging_setup import configure
+    from gateway.http.logging_setup import configure
 
     configure(settings.log_level, settings.log_format)
     import uvicorn
 
     from gateway.app import create_app
-    from gateway.tiers import ensure_models
+    from gateway.runtime.tiers import ensure_models
 
     ensure_models(settings)  # before the server starts, so progress bars show on a plain terminal
     # log_config=None: uvicorn keeps our root handler (its own config would print plain text)

@@ -30,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _tenant_create(args: argparse.Namespace) -> int:
-    from gateway.tenants import create_tenant
+    from gateway.accounting.tenants import create_tenant
 
     issued = create_tenant(open_database(), args.name, operator=args.operator, role=args.role)
     kind = "operator tenant" if args.operator else "tenant"
@@ -40,7 +40,7 @@ def _tenant_create(args: argparse.Namespace) -> int:
 
 
 def _key_create(args: argparse.Namespace) -> int:
-    from gateway.tenants import create_key
+    from gateway.accounting.tenants import create_key
 
     issued = create_key(open_database(), args.tenant, args.role)
     print(f"new {issued.role} key for {issued.tenant} (shown once, store it now):", file=sys.stderr)
@@ -49,7 +49,7 @@ def _key_create(args: argparse.Namespace) -> int:
 
 
 def _key_revoke(args: argparse.Namespace) -> int:
-    from gateway.tenants import revoke_key
+    from gateway.accounting.tenants import revoke_key
 
     revoke_key(open_database(), args.prefix)
     print(f"revoked {args.prefix}", file=sys.stderr)

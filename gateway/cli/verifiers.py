@@ -32,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _verifiers_train_probe(args: argparse.Namespace) -> int:
     settings = load_settings()
     os.environ.setdefault("OMP_NUM_THREADS", str(settings.max_threads))  # before torch starts, as in serve
-    from gateway.tiers import load_engines
+    from gateway.runtime.tiers import load_engines
     from router_model.encoder import RouterEncoder
     from router_model.label import DEFAULT_OUT, tier_model
     from verifiers.probe_data import (

@@ -9,6 +9,8 @@ import anyio
 from fastapi import Request, Response
 from fastapi.responses import FileResponse, RedirectResponse
 
+from gateway.accounting.tenants import authenticate
+from gateway.api.deps import DatabaseDep
 from gateway.console.render import HERE, page, router
 from gateway.console.session import (
     CONSOLE_ROLES,
@@ -24,8 +26,6 @@ from gateway.console.session import (
     session_token,
     set_cookie,
 )
-from gateway.deps import DatabaseDep
-from gateway.tenants import authenticate
 
 
 @router.get("/static/console.css")

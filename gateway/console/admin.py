@@ -13,13 +13,7 @@ from sqlalchemy.exc import IntegrityError
 
 from core.db.database import Database
 from core.db.models import Tenant
-from gateway.api.policies import served_policy
-from gateway.console.render import AdminTenant, changes, page, redirect, router, tenant_url
-from gateway.console.session import AdminUser, Posted, small_int
-from gateway.deps import DatabaseDep, PipelineDep, PolicyStoreDep, ProposalStoreDep
-from gateway.errors import APIError
-from gateway.pipeline import Pipeline
-from gateway.tenants import (
+from gateway.accounting.tenants import (
     ROLES,
     Principal,
     TenantError,
@@ -29,6 +23,11 @@ from gateway.tenants import (
     list_tenants,
     revoke_key,
 )
+from gateway.api.deps import DatabaseDep, PipelineDep, PolicyStoreDep, ProposalStoreDep
+from gateway.console.render import AdminTenant, changes, page, redirect, router, tenant_url
+from gateway.console.session import AdminUser, Posted, small_int
+from gateway.http.errors import APIError
+from gateway.pipeline import Pipeline
 from policies.proposals import ProposalError, ProposalStore
 from policies.store import PolicyError, PolicyStore
 
@@ -149,7 +148,7 @@ async def save_policy(
         problems = [{"param": None, "message": "must be a JSON object"}]
         return await _policy_page(request, store, pipeline, t, text, 422, errors=problems)
     try:
-        validated = served_policy(body, pipeline)
+        validated = pipeline.served_policy(body)
     except APIError as exc:
         errors = exc.details or [{"param": exc.param, "message": exc.message}]
         return await _policy_page(request, store, pipeline, t, text, exc.status, errors=errors, note=note)

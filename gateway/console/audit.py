@@ -6,10 +6,10 @@ import anyio
 from fastapi import Request, Response
 
 from core import audit
+from gateway.accounting.tenants import list_tenants
+from gateway.api.deps import DatabaseDep
 from gateway.console.render import changes, page, router, visible
 from gateway.console.session import AdminUser
-from gateway.deps import DatabaseDep
-from gateway.tenants import list_tenants
 
 AUDIT_LIMIT = 200
 

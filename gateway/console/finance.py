@@ -10,13 +10,13 @@ from urllib.parse import urlencode
 import anyio
 from fastapi import Depends, Request, Response
 
-from gateway import reports
+from gateway.accounting import reports
+from gateway.accounting.tenants import list_tenants
+from gateway.api.deps import DatabaseDep, PipelineDep
 from gateway.console.chart import cost_chart
 from gateway.console.render import page, router, visible
 from gateway.console.session import FinanceUser
-from gateway.deps import DatabaseDep, PipelineDep
-from gateway.errors import APIError
-from gateway.tenants import list_tenants
+from gateway.http.errors import APIError
 
 
 def _date(value: str | None, name: str) -> date | None:

@@ -18,12 +18,12 @@ from fastapi.templating import Jinja2Templates
 
 from core.db.database import Database
 from core.db.models import Tenant
-from gateway.auth import visible_tenant
+from gateway.accounting.tenants import Principal
+from gateway.api.auth import visible_tenant
+from gateway.api.deps import DatabaseDep
 from gateway.console.chart import usd
 from gateway.console.session import AdminUser, SignIn, page_csrf, signed_in
-from gateway.deps import DatabaseDep
-from gateway.errors import APIError
-from gateway.tenants import Principal
+from gateway.http.errors import APIError
 
 HERE = Path(__file__).resolve().parent
 # No scripts at all, styles only from our own stylesheet; forms post only back to us; never framed.

@@ -22,7 +22,7 @@ from sqlalchemy.exc import IntegrityError
 
 from core.db.database import Database
 from core.db.models import Tenant
-from gateway.api.policies import served_policy
+from gateway.api.deps import DatabaseDep, PipelineDep, PolicyStoreDep
 from gateway.console.chart import curve_chart
 from gateway.console.render import AdminTenant, changes, page, redirect, router, tenant_url
 from gateway.console.routing_plan import (
@@ -42,8 +42,7 @@ from gateway.console.routing_plan import (
     threshold_of,
 )
 from gateway.console.session import AdminUser, Posted, small_int
-from gateway.deps import DatabaseDep, PipelineDep, PolicyStoreDep
-from gateway.errors import APIError
+from gateway.http.errors import APIError
 from gateway.pipeline import Pipeline
 from policies.policy import Policy
 from policies.store import PolicyStore, Versioned
@@ -176,7 +175,7 @@ async def routing_preview(
         change, errors = propose(ctx.current.policy, choice, ctx.data)
     if not errors:
         try:
-            proposed = served_policy(merged(ctx.current.policy, change), pipeline)
+            proposed = pipeline.served_policy(merged(ctx.current.policy, change))
         except APIError as exc:
             errors = exc.details or [{"param": exc.param, "message": exc.message}]
     if errors:
@@ -235,7 +234,7 @@ async def routing_confirm(
         problem: Problem = {"param": None, "message": "The confirmation names no routing change: preview it again."}
         return await _page(request, ctx, pipeline, t, status=422, errors=[problem])
     try:
-        proposed = served_policy(merged(ctx.current.policy, change), pipeline)
+        proposed = pipeline.served_policy(merged(ctx.current.policy, change))
     except APIError as exc:
         errors = exc.details or [{"param": exc.param, "message": exc.message}]
         return await _page(request, ctx, pipeline, t, status=exc.status, errors=errors)

@@ -24,7 +24,7 @@ from sqlalchemy import func, select
 
 from core.db.database import Database
 from core.db.models import RoutedPrompt, Usage
-from gateway.routing import AUTO, RoutingStage
+from gateway.routing.stage import AUTO, RoutingStage
 from policies.dry_run import DryRun, replay
 from policies.policy import Policy, RouterCalibration
 from router_model.calibrate import MIN_TENANT_PROMPTS, threshold_for_quality_floor, threshold_for_share
@@ -236,7 +236,7 @@ def threshold_of(routing: RoutingStage, policy: Policy, tenant: str) -> tuple[fl
 
 
 def routed_tiers(policy: Policy, served: list[str]) -> list[str]:
-    """The tiers `auto` may send this policy's requests to (`gateway.routing`'s rule)."""
+    """The tiers `auto` may send this policy's requests to (`gateway.routing.stage`'s rule)."""
     return [t for t in (SMALL, LARGE) if t in served and policy.allows(t)]
 
 

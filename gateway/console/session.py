@@ -22,9 +22,9 @@ from sqlalchemy import select
 
 from core.db.database import Database
 from core.db.models import ApiKey, Tenant
-from gateway.deps import DatabaseDep, app_config
-from gateway.errors import APIError
-from gateway.tenants import Principal
+from gateway.accounting.tenants import Principal
+from gateway.api.deps import DatabaseDep, app_config
+from gateway.http.errors import APIError
 
 SESSION_COOKIE = "sb_console"
 LOGIN_COOKIE = "sb_console_login"  # a random nonce that the sign-in form's CSRF token is bound to

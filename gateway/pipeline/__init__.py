@@ -7,17 +7,23 @@
     cache_store  a finished, deterministic answer → the response cache
     single_flight  a request identical to one still generating waits for that one's answer (a hit)
     cascade      a non-streamed answer that fails a final check → retried once on the cascade's tier
+    followups    once the response is out: the routed conversation stored, a shadow run offered
 
-`Pipeline` (service) holds the stores and stages and starts each request; `Generation` (run) is one
-request being run. The API routes only translate between HTTP and these.
+Beside them: `plan` (what admission decides, what a run ends with), `choices` (deltas and candidate tiers),
+`streams` (a primed engine stream, a replay, `Watch`), `prompts` (a request's prompts and tool calls),
+`refusals` (the 4xx a request can meet), `policy_check` (a policy as this gateway would serve it),
+`prompt_log` (the one place prompt text is logged, where a tenant opted in) and `embeddings`
+(`/v1/embeddings`, metered). `Pipeline` (service) holds the stores and stages, starts each request and
+runs a non-streamed one to its `Answer`; `Generation` (run) is one request being run. The API routes only
+translate between HTTP and these.
 """
 
-from gateway.pipeline.cascade import Answer
-from gateway.pipeline.metering import Meter, ShadowUsage
-from gateway.pipeline.plan import Candidate, ChoiceDelta, Outcome, Plan
+from gateway.pipeline.choices import Candidate, ChoiceDelta
+from gateway.pipeline.metering import Meter
+from gateway.pipeline.plan import Outcome, Plan
 from gateway.pipeline.refusals import model_not_found
 from gateway.pipeline.run import Generation, Watch
-from gateway.pipeline.service import Pipeline
+from gateway.pipeline.service import Answer, Pipeline
 
 __all__ = [
     "Answer",
@@ -28,7 +34,6 @@ __all__ = [
     "Outcome",
     "Pipeline",
     "Plan",
-    "ShadowUsage",
     "Watch",
     "model_not_found",
 ]

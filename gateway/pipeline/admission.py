@@ -1,7 +1,7 @@
 """Admission: a validated request → a frozen `Plan`, or a refusal (4xx, 429, 503) before anything runs.
 
 principal → the tenant's policy (allowed tiers, sampling clamps)
-          → the tier: the one named, or the router's choice (`auto`, `gateway.routing`)
+          → the tier: the one named, or the router's choice (`auto`, `gateway.routing.stage`)
           → the prompts as token ids for that tier, within every limit
           → the policy's verifiers, one hook per prompt, and the cascade's target
           → the tier ladder: the tier, then its live fallbacks that the policy allows
@@ -26,11 +26,14 @@ from engines.remote.engine import RemoteEngine
 from engines.request import EngineRequest
 from engines.sampling import SamplingParams
 from engines.tokenizer import ChatTemplateError
-from gateway.cache_stage import BYPASS, CacheDecision, CacheStage, cache_mode
-from gateway.errors import from_budget, invalid
-from gateway.metrics import Metrics
+from gateway.accounting.metrics import Metrics
+from gateway.accounting.tenants import Principal
+from gateway.cache.stage import BYPASS, CacheDecision, CacheStage, cache_mode
+from gateway.http.errors import from_budget, invalid
+from gateway.http.schemas import UNSUPPORTED_CHAT, UNSUPPORTED_COMPLETION, ChatCompletionRequest, CompletionRequest
 from gateway.pipeline import cascade
-from gateway.pipeline.plan import Caller, Candidate, Checks, Plan, Work
+from gateway.pipeline.choices import Candidate
+from gateway.pipeline.plan import Caller, Checks, Plan, Work
 from gateway.pipeline.prompts import (
     INLINE_TOKENIZE_CHARS,
     Body,
@@ -48,9 +51,7 @@ from gateway.pipeline.prompts import (
 )
 from gateway.pipeline.refusals import model_not_allowed, model_not_found, reject_unsupported, unavailable
 from gateway.pipeline.single_flight import Flights, Seat, join
-from gateway.routing import RoutingStage
-from gateway.schemas import UNSUPPORTED_CHAT, UNSUPPORTED_COMPLETION, ChatCompletionRequest, CompletionRequest
-from gateway.tenants import Principal
+from gateway.routing.stage import RoutingStage
 from gateway.tool_calls import routing_turns, template_messages, tool_request
 from policies.budgets import BudgetError, Budgets, Reservation
 from policies.policy import Policy

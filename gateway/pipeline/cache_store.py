@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import time
 
-from gateway.cache_stage import CacheStage
+from gateway.cache.exact import CachedAnswer
+from gateway.cache.stage import CacheStage
 from gateway.pipeline.plan import Outcome, Plan
-from gateway.response_cache import CachedAnswer
 
 
 def storable(plan: Plan, outcome: Outcome) -> bool:

@@ -1,44 +1,23 @@
 """Metering: what ran → one priced `UsageRecord` → metrics, the ledger, and the budget settlement.
 
 The one place a usage row is built. A request's run is billed once however it ended (the run calls
-`bill` once, with its `Outcome`); a request that never ran gives its reservation back (`release`). A
-shadow run (`gateway.shadow`) is metered here too, with its own row and reservation (`bill_shadow`).
+`bill` once, with its `Outcome`); a request that never ran gives its reservation back (`release`). Shadow
+runs have their own rows and meter (`gateway.routing.shadow_rows`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from decimal import Decimal
 
 import anyio
 
-from gateway.ledger import Ledger
-from gateway.metrics import Metrics
+from gateway.accounting.ledger import Ledger
+from gateway.accounting.metrics import Metrics
+from gateway.accounting.record import Decisions, TokenCounts, UsageRecord
 from gateway.pipeline.plan import Outcome, Plan
-from gateway.prompt_log import log_exchange
-from gateway.usage_record import Decisions, TokenCounts, UsageRecord
+from gateway.pipeline.prompt_log import log_exchange
 from policies.budgets import Budgets, Reservation
-from policies.pricing import Charge, Tokens, charge, charge_shadow
-from policies.store import Versioned
-
-
-@dataclass(frozen=True)
-class ShadowUsage:
-    """What one shadow run ran (the large tier's answer and the judge's, together), for its ledger row."""
-
-    request_id: str  # the live request's id + `-shadow`
-    endpoint: str
-    tenant_id: int
-    key_id: int
-    policy: Versioned
-    tier: str
-    model: str  # the checkpoint behind the tier
-    tokens: Tokens
-    finish_reason: str
-    max_tokens: int
-    status: str  # ok | aborted | error
-    seconds: float
-    billed: bool  # the tenant's policy bills shadow runs (`router.shadow_billed`); else the operator pays
+from policies.pricing import Charge, Tokens, charge
 
 
 def priced(plan: Plan, outcome: Outcome) -> tuple[Tokens, Charge]:
@@ -106,33 +85,6 @@ def usage_record(plan: Plan, outcome: Outcome) -> tuple[UsageRecord, Tokens]:
     return rec, tokens
 
 
-def shadow_record(run: ShadowUsage) -> tuple[UsageRecord, Tokens]:
-    """A shadow run's ledger row (`route = "shadow"`), and the tokens it settles. Unbilled, the row records
-    the run with zero tokens and zero money: the ledger's tokens and money are the tenant's bill."""
-    tokens = run.tokens if run.billed else Tokens(prompt=0, completion=0)
-    price = charge_shadow(run.policy.policy, run.tier, tokens)  # saved_verifier and saved_policy: 0, nothing cut
-    rec = UsageRecord(
-        request_id=run.request_id,
-        tenant_id=run.tenant_id,
-        api_key_id=run.key_id,
-        endpoint=run.endpoint,
-        model=run.model,
-        tier=run.tier,
-        latency_ms=round(run.seconds * 1000),
-        status=run.status,
-        finish_reason=run.finish_reason,
-        tokens=TokenCounts(
-            prompt=tokens.prompt,
-            completion=tokens.completion,
-            cached_prompt=tokens.cached_prompt,
-            effective_max=run.max_tokens,
-        ),
-        decisions=Decisions(cache_status="bypass", route="shadow", policy_version=run.policy.version),
-        charge=price,
-    )
-    return rec, tokens
-
-
 class Meter:
     """Writes what ran down and settles its reservation to the actual cost."""
 
@@ -155,12 +107,3 @@ class Meter:
         """Settle a reservation to nothing: the request never ran."""
         with anyio.CancelScope(shield=True):
             await self.budgets.settle(reservation, Decimal(0), 0)
-
-    async def bill_shadow(self, run: ShadowUsage, reservation: Reservation | None) -> None:
-        """Write a shadow run's row; settle its reservation (billed runs have one) to its cost."""
-        rec, tokens = shadow_record(run)
-        if self.metrics is not None:
-            self.metrics.record_request(rec, None, run.seconds)
-        await self.ledger.write(rec)
-        if reservation is not None:
-            await self.budgets.settle(reservation, rec.cost, tokens.prompt + tokens.completion)

@@ -7,14 +7,15 @@ only these two.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from engines.protocol import TierEngine
-from engines.request import EngineRequest, RequestOutput, TokenLogprob
-from gateway.cache_stage import CacheDecision
-from gateway.routing import RouteDecision
-from gateway.tenants import Principal
+from engines.request import EngineRequest, RequestOutput
+from gateway.accounting.tenants import Principal
+from gateway.cache.exact import CachedAnswer
+from gateway.cache.stage import CacheDecision
+from gateway.pipeline.choices import Candidate
+from gateway.routing.stage import RouteDecision
 from gateway.tool_calls import CallSpec
 from policies.budgets import Reservation
 from policies.store import Versioned
@@ -22,23 +23,6 @@ from verifiers.hook import VerifierHook
 
 if TYPE_CHECKING:  # single_flight reads plans: the type only, no import cycle
     from gateway.pipeline.single_flight import Flight
-
-
-@dataclass(frozen=True)
-class ChoiceDelta:
-    index: int
-    text: str
-    finish_reason: str | None  # set on a choice's last delta
-    logprobs: tuple[TokenLogprob, ...] = ()  # the tokens generated since the last delta, when asked for
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """A tier that may serve a request: the requested one, or a fallback."""
-
-    name: str
-    engine: TierEngine
-    checkpoint: str  # the model behind the tier, for the ledger
 
 
 @dataclass(frozen=True)
@@ -114,6 +98,14 @@ class Plan:
         return [
             {**a, "choice": p * per_prompt + a["choice"]} for p, h in enumerate(self.checks.hooks) for a in h.summary()
         ]
+
+    def served_by(self, answer: CachedAnswer) -> Plan:
+        """A streamed follower's plan once its leader's answer served it: a cache hit, as metering bills one."""
+        return replace(self, cache=replace(self.cache, key=None, answer=answer), follow=None)
+
+    def on_own(self) -> Plan:
+        """A streamed follower's plan once its leader was released: the plain miss it would have been."""
+        return replace(self, cache=CacheDecision("miss", key=self.cache.key, settings=self.cache.settings), follow=None)
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,9 @@ from engines.protocol import RequestRejected, TierEngine
 from engines.sampling import SamplingParams
 from engines.structured import Grammar, GrammarError
 from engines.tokenizer import Tokenizer
-from gateway.errors import invalid
-from gateway.routing import RouteDecision
-from gateway.schemas import MAX_SCHEMA_CHARS, ChatCompletionRequest, CompletionRequest, ResponseFormat
+from gateway.http.errors import invalid
+from gateway.http.schemas import MAX_SCHEMA_CHARS, ChatCompletionRequest, CompletionRequest, ResponseFormat
+from gateway.routing.stage import RouteDecision
 from gateway.tool_calls import CallSpec, ToolRequest, fallback_messages, format_for, renders_tools, structural_tag
 from policies.policy import Policy
 from policies.sampling import Asked, resolve

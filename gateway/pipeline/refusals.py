@@ -1,11 +1,11 @@
-"""The pipeline's refusals, in OpenAI's error shape (`gateway.errors.APIError`)."""
+"""The pipeline's refusals, in OpenAI's error shape (`gateway.http.errors.APIError`)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from gateway.errors import APIError, invalid
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.http.errors import APIError, invalid
+from gateway.http.schemas import ChatCompletionRequest, CompletionRequest
 
 
 def model_not_found(model: str) -> APIError:

@@ -21,37 +21,30 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Iterator, Mapping
+from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
 import anyio
 
 from engines.protocol import EngineUnavailable, OutputStream, RequestRejected
 from engines.request import FinishReason, RequestOutput, TokenLogprob
 from engines.tokenizer import Tokenizer
-from gateway.cache_stage import CacheStage
-from gateway.errors import APIError, invalid
-from gateway.pipeline import cache_store, cascade, single_flight
+from gateway.cache.exact import CachedAnswer
+from gateway.cache.stage import CacheStage
+from gateway.http.errors import APIError, invalid
+from gateway.http.schemas import Usage
+from gateway.pipeline import cache_store, cascade
+from gateway.pipeline.choices import Candidate, ChoiceDelta
+from gateway.pipeline.followups import after_response
 from gateway.pipeline.metering import Meter
-from gateway.pipeline.plan import Candidate, ChoiceDelta, Outcome, Plan
+from gateway.pipeline.plan import Outcome, Plan
 from gateway.pipeline.refusals import prompt_param, unavailable
 from gateway.pipeline.single_flight import Flight, Forwarded
-from gateway.response_cache import CachedAnswer
-from gateway.routing import RoutingStage
-from gateway.schemas import Usage
+from gateway.pipeline.streams import Primed, Watch, failed_before_output, replay_pieces
+from gateway.routing.stage import RoutingStage
 from verifiers.ask import tier_ask
-
-T = TypeVar("T")
-
-REPLAY_CHARS = 24  # a cached answer streams in pieces of about this many characters, like a generation
-
-
-class Watch(Protocol):
-    """Awaits work on the request's behalf, cancelling it if the client leaves (`gateway.streaming`)."""
-
-    def __call__(self, work: Awaitable[T], /) -> Awaitable[T]: ...
 
 
 @dataclass
@@ -165,8 +158,8 @@ class Generation:
                 await self._release()
                 raise invalid(str(exc), param=prompt_param(self.plan.caller.endpoint), code=exc.code) from None
             last = i == len(candidates) - 1
-            if first is not None and not (_failed_before_output(first) and not last):
-                s.stream = _Primed(stream, first)
+            if first is not None and not (failed_before_output(first) and not last):
+                s.stream = Primed(stream, first)
                 if (lead := self.plan.lead) is not None:
                     if candidate.name == self.plan.wanted_tier:
                         lead.start(candidate)
@@ -262,7 +255,7 @@ class Generation:
                 await self._served(answer)
             return
         flight.count_release()
-        self.plan = single_flight.on_own(self.plan)
+        self.plan = self.plan.on_own()
         async with aclosing(self._generate()) as own:
             async for delta in own:
                 if (rest := sent.past(delta)) is not None:
@@ -270,7 +263,7 @@ class Generation:
 
     async def _served(self, answer: CachedAnswer) -> None:
         """Bill a streamed follower as the cache hit it was: the leader's answer, on the leader's tier."""
-        self.plan = single_flight.served(self.plan, answer)
+        self.plan = self.plan.served_by(answer)
         self._state.completion_tokens = answer.completion_tokens
         await self._bill({}, answer.texts, answer.finish_reasons)
 
@@ -306,7 +299,7 @@ class Generation:
         s.started = time.perf_counter()
         s.completion_tokens = answer.completion_tokens
         try:
-            for delta in _pieces(answer):
+            for delta in replay_pieces(answer):
                 yield delta
             s.status = "ok"
         except (asyncio.CancelledError, GeneratorExit):
@@ -392,44 +385,9 @@ class Generation:
         s = self._state
         if self.plan.route is not None and s.outcome is not None and not s.followed_up:
             s.followed_up = True
-            self._routing.after_response(self.plan, s.outcome)
+            after_response(self._routing, self.plan, s.outcome)
 
     async def close(self) -> None:
         """A streamed response ended, however: bill what ran or give the reservation back, then follow up."""
         await self.abandon()
         await self.after_response()
-
-
-def _pieces(answer: CachedAnswer) -> Iterator[ChoiceDelta]:
-    for i, (text, reason) in enumerate(zip(answer.texts, answer.finish_reasons, strict=True)):
-        pieces = [text[j : j + REPLAY_CHARS] for j in range(0, len(text), REPLAY_CHARS)] or [""]
-        for j, piece in enumerate(pieces):
-            yield ChoiceDelta(i, piece, reason if j == len(pieces) - 1 else None)
-
-
-class _Primed:
-    """A stream whose first output `begin` already read (to know the tier answers); it is delivered first."""
-
-    def __init__(self, stream: OutputStream, first: RequestOutput) -> None:
-        self._stream = stream
-        self._first: RequestOutput | None = first
-
-    @property
-    def last(self) -> dict[str, RequestOutput]:
-        return self._stream.last
-
-    def __aiter__(self) -> _Primed:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self._first is not None:
-            first, self._first = self._first, None
-            return first
-        return await anext(self._stream)
-
-    async def aclose(self) -> None:
-        await self._stream.aclose()
-
-
-def _failed_before_output(out: RequestOutput) -> bool:
-    return out.finish_reason is FinishReason.ERROR and out.completion_tokens == 0

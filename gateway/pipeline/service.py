@@ -1,26 +1,67 @@
-"""`Pipeline`: the request pipeline's entry points, over the stores and stages it runs on."""
+"""`Pipeline`: the request pipeline's entry points, over the stores and stages it runs on; and a non-streamed
+request's `Answer`, through the cascade (`complete`: the first attempt, then its retry if it escalated)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 from core.settings import Settings
 from engines.protocol import TierEngine
-from gateway.cache_stage import CacheStage
-from gateway.ledger import Ledger
-from gateway.metrics import Metrics
-from gateway.pipeline import cascade
+from gateway.accounting.ledger import Ledger
+from gateway.accounting.metrics import Metrics
+from gateway.accounting.tenants import Principal
+from gateway.cache.stage import CacheStage
+from gateway.http.errors import APIError
+from gateway.http.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.pipeline.admission import Admission
 from gateway.pipeline.metering import Meter
 from gateway.pipeline.plan import Plan
+from gateway.pipeline.policy_check import validate_policy
 from gateway.pipeline.prompts import Body
 from gateway.pipeline.run import Generation, Watch
-from gateway.routing import RoutingStage
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
-from gateway.tenants import Principal
+from gateway.routing.stage import RoutingStage
 from policies.budgets import Budgets
+from policies.policy import Policy
 from policies.store import PolicyStore
 from verifiers.probe import AnswerProbe
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A non-streamed request's answer: whose it is, its choices, and the first attempt if it was retried."""
+
+    generation: Generation  # whose answer goes out: the retry's, or the first attempt's
+    texts: list[str]
+    reasons: list[str | None]
+    first: Generation  # the first attempt (`generation` itself when there was no retry)
+    refused: str | None = None  # the retry's error code (or status) when it failed: the first answer stands
+
+    @property
+    def escalated(self) -> bool:
+        return self.generation is not self.first
+
+
+async def complete(gen: Generation, retry: Callable[[], Awaitable[Generation]], watch: Watch) -> Answer:
+    """Run `gen` to its end (`watch` aborts it if the client leaves), then `retry()` if its answer failed."""
+    try:
+        # A cached answer is ready at once: no generation to abort, so no disconnect watcher to start.
+        work = gen.collect()
+        texts, reasons = await (work if gen.plan.cache.answer is not None else watch(work))
+    finally:
+        await gen.abandon()  # a no-op once it ran
+    if gen.escalation is None:
+        return Answer(gen, texts, reasons, gen)
+    try:
+        second = await retry()
+        try:
+            retried = await watch(second.collect())
+        finally:
+            await second.abandon()
+    except APIError as exc:  # the larger tier refused (budget, rate limit, down): the first answer stands
+        return Answer(gen, texts, reasons, gen, refused=str(exc.code or exc.status))
+    return Answer(second, *retried, gen)
 
 
 class Pipeline(Admission):
@@ -61,10 +102,10 @@ class Pipeline(Admission):
     ) -> Generation:
         return self._generation(await self.admit_completion(principal, body, cache_header, escalated_from))
 
-    async def complete(self, gen: Generation, body: Body, watch: Watch) -> cascade.Answer:
+    async def complete(self, gen: Generation, body: Body, watch: Watch) -> Answer:
         """Run a non-streamed generation to its answer; one whose answer failed a final check is retried on the
         cascade's tier (`gateway.pipeline.cascade`)."""
-        return await cascade.complete(gen, lambda: self.escalate(gen, body), watch)
+        return await complete(gen, lambda: self.escalate(gen, body), watch)
 
     async def escalate(self, gen: Generation, body: Body) -> Generation:
         """A new generation of `body` on the tier `gen`'s failed answer escalates to (its own reservation and
@@ -75,6 +116,10 @@ class Pipeline(Admission):
         if isinstance(retry, ChatCompletionRequest):
             return await self.start_chat(principal, retry, escalated_from=gen.request_id)
         return await self.start_completion(principal, retry, escalated_from=gen.request_id)
+
+    def served_policy(self, body: dict[str, Any]) -> Policy:
+        """`validate_policy` against what this gateway serves: its tiers, and whether it has a probe (a 422)."""
+        return validate_policy(body, list(self.engines), probe=self.probe is not None)
 
     def _generation(self, plan: Plan) -> Generation:
         return Generation(plan, self.meter, self.cache, self.routing)

@@ -25,21 +25,17 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import anyio
 import numpy as np
 
-from gateway.cache_stage import CacheDecision
-from gateway.normalize import CacheKey
-from gateway.pipeline.plan import Candidate, ChoiceDelta
-from gateway.response_cache import CachedAnswer
-from gateway.semantic_cache import DEFAULT_THRESHOLD, SemanticCache, shares_answer, split_key
+from gateway.cache.exact import CachedAnswer
+from gateway.cache.normalize import CacheKey
+from gateway.cache.semantic import DEFAULT_THRESHOLD, SemanticCache, shares_answer, split_key
+from gateway.cache.stage import CacheDecision
+from gateway.pipeline.choices import Candidate, ChoiceDelta
 from policies.policy import CacheSettings
-
-if TYPE_CHECKING:
-    from gateway.pipeline.plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -257,16 +253,6 @@ async def _follow(flight: Flight, similarity: float | None, decision: CacheDecis
         flight.count_release()
         return Seat(decision)
     return Seat(CacheDecision(status, answer=answer, similarity=similarity, settings=decision.settings))
-
-
-def served(plan: Plan, answer: CachedAnswer) -> Plan:
-    """A streamed follower's plan once the leader's answer served it: a cache hit, as metering bills one."""
-    return replace(plan, cache=replace(plan.cache, key=None, answer=answer), follow=None)
-
-
-def on_own(plan: Plan) -> Plan:
-    """A streamed follower's plan once its leader was released: the plain miss it would have been."""
-    return replace(plan, cache=CacheDecision("miss", key=plan.cache.key, settings=plan.cache.settings), follow=None)
 
 
 class Forwarded:

@@ -12,8 +12,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.errors import invalid
-from gateway.schemas import ChatCompletionRequest, ChatMessage
+from gateway.http.errors import invalid
+from gateway.http.schemas import ChatCompletionRequest, ChatMessage
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ from alembic.migration import MigrationContext
 
 from core.db.database import Database
 from core.db.models import ApiKey, Base, Usage
-from gateway.ledger import Ledger, UsageRecord
-from gateway.tenants import TenantError, authenticate, create_key, create_tenant, hash_key, revoke_key
+from gateway.accounting.ledger import Ledger, UsageRecord
+from gateway.accounting.tenants import TenantError, authenticate, create_key, create_tenant, hash_key, revoke_key
 
 
 def test_migration_creates_exactly_the_models_schema(database: Database) -> None:
@@ -94,7 +94,7 @@ def test_usage_is_spooled_when_the_database_is_down_and_replayed(database: Datab
 def test_recent_keys_skip_sql_for_a_second_and_revocation_drops_them(database: Database) -> None:
     import time
 
-    from gateway import tenants
+    from gateway.accounting import tenants
 
     issued = create_tenant(database, "acme")
     assert tenants.recently_authenticated(database, issued.key) is None
@@ -115,7 +115,7 @@ def test_keys_are_stored_under_a_keyed_hash_and_old_plain_hashes_are_upgraded(
 ) -> None:
     import hashlib
 
-    from gateway import tenants
+    from gateway.accounting import tenants
 
     issued = create_tenant(database, "acme")
     plain = hashlib.sha256(issued.key.encode()).hexdigest()

@@ -239,7 +239,7 @@ def test_int8_engine_batched_greedy_equals_one_at_a_time(tiny_dir: Path, dtype: 
 
 def test_tier_setting_reaches_the_engine_config() -> None:
     from core.settings import Settings, TierSettings
-    from gateway.tiers import engine_config
+    from gateway.runtime.tiers import engine_config
 
     assert engine_config(TierSettings()).kv_cache_dtype == "auto"
     settings = Settings(tiers={"small": {"kv_cache_dtype": "int8"}})

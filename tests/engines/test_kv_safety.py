@@ -21,7 +21,7 @@ import services
 from engines.async_engine import AsyncEngine
 from engines.engine import Engine, EngineConfig
 from engines.kv.cache import bytes_per_block
-from gateway.tenants import create_tenant
+from gateway.accounting.tenants import create_tenant
 from live import LiveServer, serve_gateway
 
 BLOCK = 16

@@ -268,7 +268,7 @@ def test_a_tier_setting_gives_its_engine_a_kv_tier_when_redis_is_configured(
     tiny_dir: Path, tmp_path: Path, redis_server: str, redis_namespace: str
 ) -> None:
     from core.settings import Settings
-    from gateway.tiers import load_engines
+    from gateway.runtime.tiers import load_engines
 
     tiers = {
         "on": {"model": str(tiny_dir), "kv_tier": True, "kv_tier_min_blocks": 2, "kv_cache_bytes": "1MiB"},

@@ -11,8 +11,8 @@ import torch
 
 from engines.checkpoints.quality import perplexity, token_nll
 from engines.engine import Engine, EngineConfig
-from gateway import model_quality as quality
-from gateway.model_quality import gsm8k_accuracy
+from gateway.runtime import model_quality as quality
+from gateway.runtime.model_quality import gsm8k_accuracy
 from grading.answers import extract_answer, reference_answer
 from tiny import tiny_hf_model
 

@@ -41,9 +41,9 @@ from engines.remote.circuit_breaker import CircuitBreaker
 from engines.remote.engine import RemoteConfig, RemoteEngine
 from engines.request import EngineRequest, FinishReason, RequestOutput
 from engines.sampling import SamplingParams
-from gateway.deps import app_services
-from gateway.tenants import authenticate, create_key
-from gateway.tiers import check_fallbacks, load_remote
+from gateway.accounting.tenants import authenticate, create_key
+from gateway.api.deps import app_services
+from gateway.runtime.tiers import check_fallbacks, load_remote
 from live import LiveServer, run_in_thread, start_server
 from policies.policy import Policy
 from policies.pricing import Tokens, charge

@@ -15,7 +15,7 @@ import pytest
 from transformers import PreTrainedTokenizerBase
 
 from engines.async_engine import AsyncEngine
-from gateway.tenants import authenticate, create_key, revoke_key
+from gateway.accounting.tenants import authenticate, create_key, revoke_key
 from live import LiveServer, start_server
 
 MESSAGES = [{"role": "user", "content": "Name the capital of France."}]
@@ -435,7 +435,7 @@ def test_bad_response_formats_are_4xx_naming_the_field(client: openai.OpenAI) ->
 
 
 def test_a_probe_check_needs_a_trained_probe(live_server: LiveServer) -> None:
-    from gateway.tenants import create_tenant
+    from gateway.accounting.tenants import create_tenant
 
     name = f"t-{uuid.uuid4().hex[:10]}"
     admin = create_tenant(live_server.db, name, role="admin").key
@@ -449,7 +449,7 @@ def test_a_probe_check_needs_a_trained_probe(live_server: LiveServer) -> None:
 
 
 def test_policy_verifiers_stop_a_loop_and_report_it(live_server: LiveServer) -> None:
-    from gateway.tenants import create_key, create_tenant
+    from gateway.accounting.tenants import create_key, create_tenant
 
     name = f"t-{uuid.uuid4().hex[:10]}"
     admin = create_tenant(live_server.db, name, role="admin").key

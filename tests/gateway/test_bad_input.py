@@ -18,7 +18,7 @@ import pytest
 
 import services
 from engines.async_engine import AsyncEngine
-from gateway.tenants import create_tenant
+from gateway.accounting.tenants import create_tenant
 from live import LiveServer, serve_gateway
 
 MESSAGES = [{"role": "user", "content": "Name the capital of France."}]

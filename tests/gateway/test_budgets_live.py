@@ -17,8 +17,8 @@ import sqlalchemy as sa
 import services
 from core.db.models import Usage
 from engines.async_engine import AsyncEngine
-from gateway.deps import app_services
-from gateway.tenants import authenticate
+from gateway.accounting.tenants import authenticate
+from gateway.api.deps import app_services
 from live import LiveServer, serve_gateway
 from policies.policy import Policy
 from policies.pricing import Tokens, charge

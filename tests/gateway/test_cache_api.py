@@ -14,8 +14,8 @@ import pytest
 
 import services
 from engines.async_engine import AsyncEngine
-from gateway.deps import app_services
-from gateway.tenants import authenticate
+from gateway.accounting.tenants import authenticate
+from gateway.api.deps import app_services
 from live import LiveServer, serve_gateway
 from policies.policy import Policy
 

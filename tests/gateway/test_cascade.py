@@ -22,8 +22,8 @@ import services
 from core.db.database import Database
 from core.db.models import Usage
 from engines.async_engine import AsyncEngine
-from gateway.deps import app_services
-from gateway.tenants import authenticate, create_key, create_tenant
+from gateway.accounting.tenants import authenticate, create_key, create_tenant
+from gateway.api.deps import app_services
 from live import LiveServer, start_server
 
 POLICY = {"verifiers": {"checks": ["math"], "cascade": True, "cascade_to": "large"}}

@@ -14,7 +14,7 @@ import pytest
 
 from core.db.database import Database
 from engines.async_engine import AsyncEngine
-from gateway.tenants import create_key, create_tenant
+from gateway.accounting.tenants import create_key, create_tenant
 from live import LiveServer, start_server
 
 CODE_PROMPT = '''Complete the function in one ```python block.

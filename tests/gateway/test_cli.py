@@ -95,8 +95,8 @@ def test_budgets_reconcile_rewrites_counters_from_the_ledger(
 
     from core.db.database import Database
     from core.settings import Settings
-    from gateway.ledger import Ledger, UsageRecord
-    from gateway.tenants import authenticate, create_tenant
+    from gateway.accounting.ledger import Ledger, UsageRecord
+    from gateway.accounting.tenants import authenticate, create_tenant
 
     env = {**home_env, "SWITCHBOARD_REDIS_URL": redis_server, "SWITCHBOARD_REDIS_NAMESPACE": redis_namespace}
     db = Database(Settings(home=Path(home_env["SWITCHBOARD_HOME"])).database)

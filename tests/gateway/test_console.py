@@ -18,9 +18,9 @@ import openai
 import pytest
 
 from engines.async_engine import AsyncEngine
+from gateway.accounting.tenants import authenticate, create_key, create_tenant, revoke_key
+from gateway.api.deps import app_services
 from gateway.console.session import csrf_token, session_key_id, session_token
-from gateway.deps import app_services
-from gateway.tenants import authenticate, create_key, create_tenant, revoke_key
 from live import LiveServer, start_server
 
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")

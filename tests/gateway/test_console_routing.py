@@ -29,10 +29,10 @@ from core.db.database import Database
 from core.db.models import RoutedPrompt
 from core.settings import Settings
 from engines.async_engine import AsyncEngine
+from gateway.accounting.tenants import create_key, create_tenant, tenant_by_name
+from gateway.api.deps import app_services
 from gateway.app import create_app
 from gateway.console.chart import MAX_CURVE_POINTS, curve_chart
-from gateway.deps import app_services
-from gateway.tenants import create_key, create_tenant, tenant_by_name
 from live import LiveServer, start_server
 from policies.policy import Budget, Policy, RouterSettings, SamplingLimits
 from router_model.calibrate import threshold_for_quality_floor, threshold_for_share
@@ -434,7 +434,7 @@ def test_a_router_without_held_out_labels_or_tenant_prompts_gives_the_reason(gw:
     from types import SimpleNamespace
 
     from gateway.console.routing_plan import curve_data
-    from gateway.routing import RoutingStage
+    from gateway.routing.stage import RoutingStage
 
     _, tid, _, _ = gw.tenant()
     for metadata, why in (({}, "names no label file"), ({"label_file": str(tmp_path / "gone")}, "no such label file")):

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from core.embedder import minilm_path
-from gateway.tenants import authenticate
+from gateway.accounting.tenants import authenticate
 from live import LiveServer
 from policies.policy import PER_MILLION, Policy, RateLimits
 

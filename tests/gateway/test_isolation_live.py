@@ -20,8 +20,8 @@ import services
 from engines.async_engine import AsyncEngine
 from engines.engine import Engine
 from engines.kv.tier import KVTier, checkpoint_fingerprint
-from gateway.deps import app_config, app_services, running_pipeline
-from gateway.tenants import authenticate
+from gateway.accounting.tenants import authenticate
+from gateway.api.deps import app_config, app_services, running_pipeline
 from live import LiveServer, serve_gateway
 from policies.policy import Policy
 

@@ -23,7 +23,7 @@ import escapes
 import services
 from core.db.database import Database
 from engines.async_engine import AsyncEngine
-from gateway.tenants import create_tenant
+from gateway.accounting.tenants import create_tenant
 from grading.jail.machine import WITHOUT_ENV
 from grading.sandbox import jail_status
 from live import LiveServer, start_server

@@ -16,8 +16,8 @@ import sqlalchemy as sa
 
 from core.db.database import Database
 from core.db.models import Usage, UsageDaily
-from gateway.ledger import Ledger, UsageRecord, rebuild_rollup
-from gateway.tenants import authenticate, create_tenant
+from gateway.accounting.ledger import Ledger, UsageRecord, rebuild_rollup
+from gateway.accounting.tenants import authenticate, create_tenant
 
 DOWN = "postgresql+psycopg://postgres@127.0.0.1:1/none?connect_timeout=1"
 
@@ -150,8 +150,8 @@ def test_processes_appending_while_another_drains_lose_and_repeat_nothing(databa
     spool = tmp_path / "spool.jsonl"
     writer = textwrap.dedent(f"""
         import sys
-        from gateway.ledger import UsageRecord
-        from gateway.usage_spool import UsageSpool
+        from gateway.accounting.ledger import UsageRecord
+        from gateway.accounting.spool import UsageSpool
         spool = UsageSpool(__import__("pathlib").Path({str(spool)!r}))
         for i in range(150):
             rid = f"{{sys.argv[1]}}{{i}}"

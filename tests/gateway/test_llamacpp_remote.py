@@ -32,10 +32,10 @@ from core.settings import Settings
 from engines.async_engine import AsyncEngine
 from engines.checkpoints.fetch import assemble_gguf, registry_model
 from engines.remote.engine import RemoteEngine
-from gateway.deps import running_pipeline
-from gateway.ledger import UsageRecord
-from gateway.tenants import authenticate, create_key
-from gateway.tiers import check_fallbacks, load_remote
+from gateway.accounting.ledger import UsageRecord
+from gateway.accounting.tenants import authenticate, create_key
+from gateway.api.deps import running_pipeline
+from gateway.runtime.tiers import check_fallbacks, load_remote
 from live import LiveServer, start_server
 
 _MISSING = [m for m in ("llama_cpp", "sse_starlette", "starlette_context") if importlib.util.find_spec(m) is None]
@@ -319,8 +319,8 @@ def test_tools_on_the_remote_tier_are_its_servers_answer_read_for_calls(setup: S
     """Tools reach the remote tier rendered by the tier's template (SmolLM2's knows none: the Hermes block), and
     its server's text comes back read by the gateway's own parser: the same content and calls as llama.cpp's
     direct answer to that prompt, parsed the same way; billed once."""
+    from gateway.http.schemas import ChatCompletionRequest
     from gateway.pipeline.prompts import chat_input
-    from gateway.schemas import ChatCompletionRequest
     from gateway.tool_calls import HERMES, CallSpec, parse_answer, template_messages, tool_request
 
     client, tenant_id, _ = setup.tenant()

@@ -19,9 +19,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engines.async_engine import AsyncEngine
-from gateway.deps import app_config, app_services, set_config
-from gateway.logging_setup import configure, request_id_var
-from gateway.tenants import authenticate
+from gateway.accounting.tenants import authenticate
+from gateway.api.deps import app_config, app_services, set_config
+from gateway.http.logging_setup import configure, request_id_var
 from live import LiveServer, start_server
 from policies.policy import Policy
 
@@ -146,7 +146,7 @@ def test_metrics_can_require_an_admin_key(server: LiveServer) -> None:
         assert (
             httpx.get(f"{server.base_url}/metrics", headers={"Authorization": f"Bearer {app_key}"}).status_code == 403
         )
-        from gateway.tenants import create_tenant
+        from gateway.accounting.tenants import create_tenant
 
         admin = create_tenant(server.db, f"ops-{uuid.uuid4().hex[:8]}", role="admin").key
         scrape(server, Authorization=f"Bearer {admin}")
@@ -230,7 +230,7 @@ def test_a_chat_request_logs_its_id_and_never_its_text(server: LiveServer, json_
 def test_metrics_and_logs_name_no_tenant_and_no_key(server: LiveServer, json_logs: io.StringIO) -> None:
     """Metrics are labelled by tier, never by tenant: a scrape (which an operator may share) tells nothing of
     who sent what, and neither do the logs. Two tenants with unmistakable names send a request each."""
-    from gateway.tenants import create_tenant
+    from gateway.accounting.tenants import create_tenant
 
     tenants = {f"acme-{uuid.uuid4().hex[:8]}": None, f"globex-{uuid.uuid4().hex[:8]}": None}
     for name in tenants:

@@ -21,9 +21,9 @@ from core.db.database import Database
 from core.db.models import ApiKey, Usage
 from core.money import to_units
 from engines.async_engine import AsyncEngine
-from gateway.deps import app_config, app_services
-from gateway.ledger import Ledger, UsageRecord
-from gateway.tenants import AUTH_TTL, create_tenant, tenant_by_name
+from gateway.accounting.ledger import Ledger, UsageRecord
+from gateway.accounting.tenants import AUTH_TTL, create_tenant, tenant_by_name
+from gateway.api.deps import app_config, app_services
 from live import LiveServer, serve_gateway
 from policies.budgets import Budgets, period_window
 from policies.counters import RedisCounters

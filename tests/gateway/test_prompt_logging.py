@@ -21,8 +21,8 @@ import pytest
 
 import services
 from engines.async_engine import AsyncEngine
-from gateway.logging_setup import JSONFormatter
-from gateway.tenants import create_key, create_tenant, tenant_by_name
+from gateway.accounting.tenants import create_key, create_tenant, tenant_by_name
+from gateway.http.logging_setup import JSONFormatter
 from live import LiveServer, serve_gateway
 
 

@@ -20,7 +20,7 @@ from conftest import MODELS_HOME
 import services
 from core.db.database import Database
 from core.db.models import Usage
-from gateway.tenants import authenticate, create_tenant
+from gateway.accounting.tenants import authenticate, create_tenant
 from policies.budgets import Budgets
 from policies.counters import RedisCounters
 from policies.policy import Policy

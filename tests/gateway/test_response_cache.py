@@ -18,8 +18,8 @@ import pytest
 import redis
 
 import services
-from gateway.normalize import CacheKey, is_deterministic, normalize_text, request_key
-from gateway.response_cache import CachedAnswer, ResponseCache
+from gateway.cache.exact import CachedAnswer, ResponseCache
+from gateway.cache.normalize import CacheKey, is_deterministic, normalize_text, request_key
 from policies.policy import CacheSettings
 
 DEFAULT = CacheSettings()

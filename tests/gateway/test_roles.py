@@ -19,8 +19,8 @@ from fastapi.routing import iter_route_contexts
 
 import services
 from engines.async_engine import AsyncEngine
+from gateway.api.deps import app_config
 from gateway.console.session import LOGIN_COOKIE, login_csrf_token
-from gateway.deps import app_config
 from live import LiveServer, serve_gateway
 
 PUBLIC = {"/healthz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc", "/console/login"}

@@ -1,5 +1,5 @@
 """`model: "auto"` on a fresh machine: a gateway without a usable router trains one from the shipped labels
-after startup (`gateway/router_bootstrap.py`), and never touches one that loads.
+after startup (`gateway/routing/bootstrap.py`), and never touches one that loads.
 
 A small synthetic label file stands in for the shipped one (`router_bootstrap.LABELS`), so a training takes
 seconds; `train_from_labels` is wrapped to count its calls and, where a test needs the router to stay in the
@@ -24,9 +24,9 @@ import pytest
 import router_model.train
 import services
 from engines.async_engine import AsyncEngine
-from gateway import router_bootstrap
-from gateway.deps import app_config
-from gateway.router_bootstrap import Stopped, ensure_router
+from gateway.api.deps import app_config
+from gateway.routing import bootstrap as router_bootstrap
+from gateway.routing.bootstrap import Stopped, ensure_router
 from live import LiveServer, serve_gateway
 from router_model.encoder import RouterEncoder
 from router_model.examples import split_examples

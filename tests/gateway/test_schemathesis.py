@@ -23,9 +23,9 @@ import schemathesis
 import services
 from core.settings import Settings
 from engines.async_engine import AsyncEngine
+from gateway.accounting.tenants import create_key, create_tenant, tenant_by_name
+from gateway.api.deps import app_services
 from gateway.app import create_app
-from gateway.deps import app_services
-from gateway.tenants import create_key, create_tenant, tenant_by_name
 from live import LiveServer, serve_gateway
 from policies.policy import Policy, SamplingLimits
 

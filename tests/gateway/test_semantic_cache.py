@@ -15,18 +15,10 @@ import redis
 
 import services
 from core.embedder import Embedder
-from gateway.normalize import request_key
-from gateway.semantic_cache import (
-    DEFAULT_THRESHOLD,
-    FLOOR,
-    SemanticCache,
-    calibrate,
-    calibration_report,
-    frame_similarity,
-    load_pairs,
-    shares_answer,
-)
-from gateway.semantic_guard import differing_sentences, differing_words, guard
+from gateway.cache.calibrate import calibrate, calibration_report, load_pairs
+from gateway.cache.guard import differing_sentences, differing_words, guard
+from gateway.cache.normalize import request_key
+from gateway.cache.semantic import DEFAULT_THRESHOLD, FLOOR, SemanticCache, frame_similarity, shares_answer
 from policies.policy import CacheSettings
 
 SETTINGS = CacheSettings(semantic=True)

@@ -26,11 +26,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import services
 from engines.async_engine import AsyncEngine
-from gateway.cache_stage import CacheDecision
-from gateway.deps import app_services
-from gateway.normalize import request_key
+from gateway.accounting.tenants import authenticate
+from gateway.api.deps import app_services
+from gateway.cache.normalize import request_key
+from gateway.cache.stage import CacheDecision
 from gateway.pipeline.single_flight import Flight, Flights, join
-from gateway.tenants import authenticate
 from live import LiveServer, serve_gateway
 from policies.policy import CacheSettings, Policy
 

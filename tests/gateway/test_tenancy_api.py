@@ -15,8 +15,8 @@ import pytest
 import sqlalchemy as sa
 
 from core.db.models import AuditEntry, Usage, UsageDaily
-from gateway.deps import app_services
-from gateway.tenants import authenticate, create_key, create_tenant
+from gateway.accounting.tenants import authenticate, create_key, create_tenant
+from gateway.api.deps import app_services
 from live import LiveServer
 
 QUESTION = [{"role": "user", "content": "Name the capital of France."}]

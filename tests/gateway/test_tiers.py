@@ -16,7 +16,7 @@ from engines.kv.budget import KVBudget
 from engines.kv.cache import bytes_per_block
 from engines.request import EngineRequest
 from engines.sampling import SamplingParams
-from gateway.tiers import load_engines
+from gateway.runtime.tiers import load_engines
 from tiny import tiny_hf_model
 
 

@@ -13,9 +13,9 @@ from pydantic import ValidationError
 
 from core.db.database import Database
 from core.money import UNITS, from_units, to_units
-from gateway.ledger import Ledger, UsageRecord, rebuild_rollup
-from gateway.reports import costs, savings
-from gateway.tenants import authenticate, create_tenant
+from gateway.accounting.ledger import Ledger, UsageRecord, rebuild_rollup
+from gateway.accounting.reports import costs, savings
+from gateway.accounting.tenants import authenticate, create_tenant
 from policies.budgets import Budgets, period_window
 from policies.counters import Item, LocalCounters, Missing, RedisCounters
 from policies.dry_run import replay
@@ -258,7 +258,7 @@ def test_dry_run_replays_a_new_policy_over_the_ledger(database: Database, tmp_pa
 def test_budgets_fail_closed_only_where_a_limit_is_at_stake(database: Database) -> None:
     """Redis down: a tenant with a hard budget or a rate limit gets 503s; one without is served
     uncounted (its ledger rows are the truth, and the counters are rebuilt when Redis is back)."""
-    from gateway.errors import from_budget
+    from gateway.http.errors import from_budget
     from policies.budgets import CountersUnavailable
 
     who = authenticate(database, create_tenant(database, "acme").key)

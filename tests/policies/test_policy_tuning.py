@@ -24,8 +24,8 @@ from core.db.models import AuditEntry, PolicyProposal, RoutedPrompt
 from engines.async_engine import AsyncEngine
 from engines.request import EngineRequest, TokenLogprob
 from engines.sampling import SamplingParams
-from gateway.deps import app_services
-from gateway.tenants import create_key, create_tenant, tenant_by_name
+from gateway.accounting.tenants import create_key, create_tenant, tenant_by_name
+from gateway.api.deps import app_services
 from live import LiveServer
 from policies.policy import Policy, SamplingLimits, VerifierSettings
 from policies.proposals import ProposalError, ProposalStore
@@ -343,7 +343,7 @@ def test_the_schedule_proposes_when_due_and_applies_only_when_opted_in(
 ) -> None:
     from datetime import UTC, datetime, timedelta
 
-    from gateway.tuning_schedule import TuningSchedule
+    from gateway.runtime.tuning import TuningSchedule
 
     live = live_server
     policies: PolicyStore = app_services(live.app).policies

@@ -32,11 +32,11 @@ from core.db.database import Database
 from core.db.models import RoutedPrompt
 from core.settings import Settings
 from engines.async_engine import AsyncEngine
+from gateway.accounting.tenants import authenticate, create_tenant, tenant_by_name
+from gateway.api.deps import app_services, running_pipeline
 from gateway.app import create_app
 from gateway.cli import main
-from gateway.deps import app_services, running_pipeline
-from gateway.shadow import LABELS_FILE
-from gateway.tenants import authenticate, create_tenant, tenant_by_name
+from gateway.routing.shadow import LABELS_FILE
 from live import LiveServer, serve_gateway, start_server
 from policies.policy import Policy, RouterSettings
 from policies.tune_prompts import tenant_prompts
@@ -430,7 +430,7 @@ def test_a_new_tenant_s_first_verdicts_are_drawn_at_the_warm_up_share(gateway: G
     """Until a tenant has `shadow_warmup` verdicts since its last recalibration, half its cheaper answers or
     more are drawn, so that its estimate means something early; then the policy's share; a recalibration
     starts the warm-up again; a share of 0 turns it off."""
-    from gateway.shadow import WARMUP_SHARE
+    from gateway.routing.shadow import WARMUP_SHARE
 
     name, _, tenant_id = gateway.tenant(shadow_share=0.05, shadow_warmup=3)
     policies = app_services(gateway.live.app).policies
@@ -458,7 +458,7 @@ def test_a_new_tenant_s_first_verdicts_are_drawn_at_the_warm_up_share(gateway: G
 def test_a_tiny_answer_is_judged_and_counted_for_its_tier(gateway: Gateway) -> None:
     """Shadow runs take tiny-served answers too: the row says which tier served and keeps its verdict
     under that tier's name (it trains no small-tier label), and the verdict counts for tiny."""
-    from gateway.shadow import ShadowJob
+    from gateway.routing.shadow import ShadowJob
 
     name, key, tenant_id = gateway.tenant(shadow_share=1.0)
     key_id = authenticate(gateway.live.db, key).key_id

@@ -24,9 +24,9 @@ import services
 from core.db.database import Database
 from core.settings import Settings
 from engines.async_engine import AsyncEngine
+from gateway.accounting.tenants import create_tenant, tenant_by_name
+from gateway.api.deps import app_services
 from gateway.app import create_app
-from gateway.deps import app_services
-from gateway.tenants import create_tenant, tenant_by_name
 from live import LiveServer, start_server
 from policies.policy import Policy, RouterSettings
 from router_model.encoder import RouterEncoder

@@ -16,7 +16,7 @@ import pytest
 from core.settings import Settings
 from engines.engine import Engine
 from gateway.cli import main
-from gateway.tiers import load_engines
+from gateway.runtime.tiers import load_engines
 from grading.datasets import SOURCES, Item, items_by_id, load_items
 from grading.graders import (
     GRADERS,

@@ -1,4 +1,4 @@
-"""The ledger's row: one request's usage, priced, as `gateway.ledger` stores it and its spool keeps it.
+"""The ledger's row: one request's usage, priced, as `gateway.accounting.ledger` stores it and its spool keeps it.
 
 In memory a record is small groups (tokens, decisions, the charge); on disk it is the flat row of the
 `usage` table, whose column order the spool's JSON lines keep (`as_row`, `to_json`, `from_columns`).

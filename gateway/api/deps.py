@@ -18,10 +18,10 @@ from fastapi import Depends, FastAPI, Request
 
 from core.db.database import Database
 from core.settings import Settings
-from gateway.embeddings import Embeddings
-from gateway.metrics import Metrics
+from gateway.accounting.metrics import Metrics
 from gateway.pipeline import Pipeline
-from gateway.tuning_schedule import TuningSchedule
+from gateway.pipeline.embeddings import Embeddings
+from gateway.runtime.tuning import TuningSchedule
 from policies.budgets import Budgets
 from policies.proposals import ProposalStore
 from policies.store import PolicyStore

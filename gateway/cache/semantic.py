@@ -8,11 +8,11 @@ this process: the local Redis has no vector search, and a tenant's few thousand 
 one matrix product. A per-tenant version counter tells each process when another one added entries.
 
 "Never wrong" comes from three guards: the similarity must pass a threshold calibrated on labeled
-pairs (`gateway/data/semantic_pairs.jsonl`) to a false-hit rate ≤ 1%; the answer-changing parameters
+pairs (`gateway/cache/data/semantic_pairs.jsonl`) to a false-hit rate ≤ 1%; the answer-changing parameters
 must be identical; and the two texts must not differ in numbers (digits or number words), negation,
 named entities, quoted strings, a single content word or the direction of a conversion, which embeddings
 are known to blur, and where they share sentences (a template's frame), the sentences that differ must pass
-the threshold on their own (`gateway.semantic_guard`, `shares_answer`). A text longer than MiniLM reads
+the threshold on their own (`gateway.cache.guard`, `shares_answer`). A text longer than MiniLM reads
 (256 word pieces) is judged by what differs, cut out by sentences or words, never by its first window's
 vector alone (`frame_similarity`).
 
@@ -29,7 +29,6 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import anyio
 import numpy as np
@@ -37,14 +36,13 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from core.embedder import Embedder
-from gateway.normalize import CacheKey
-from gateway.semantic_guard import differing_sentences, differing_words, guard, only_framing_differs
+from gateway.cache.guard import differing_sentences, differing_words, guard, only_framing_differs
+from gateway.cache.normalize import CacheKey
 
 log = logging.getLogger(__name__)
 
-PAIRS = Path(__file__).parent / "data" / "semantic_pairs.jsonl"
-# Obtained with `calibrate(load_pairs(), Embedder())` on the 166 shipped pairs (72 equivalent, 94 not);
-# recompute with `.venv/bin/python -c "from gateway.semantic_cache import calibration_report as r; print(r())"`.
+# Obtained with `gateway.cache.calibrate` on the 166 shipped pairs (72 equivalent, 94 not);
+# recompute with `.venv/bin/python -c "from gateway.cache.calibrate import calibration_report as r; print(r())"`.
 # With the guards, any threshold down to 0.78 lets no differing pair through; but the guards were written
 # against the first 84 of these pairs, so that says little about new ones (on the 60 added later, before
 # the guards learnt from them, 0.80 let 1 of 37 differing pairs through: "remove duplicates" / "find
@@ -321,52 +319,3 @@ def split_key(key: CacheKey) -> tuple[str, str] | None:
         return None
     context = json.dumps({"rest": rest, "params": key.params}, sort_keys=True, ensure_ascii=False)
     return question, hashlib.sha256(context.encode()).hexdigest()
-
-
-def load_pairs(path: Path = PAIRS) -> list[tuple[str, str, bool]]:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [(r["a"], r["b"], bool(r["same"])) for r in rows]
-
-
-def calibrate(
-    pairs: list[tuple[str, str, bool]], embedder: Embedder, target_false_hit_rate: float = 0.01, floor: float = FLOOR
-) -> tuple[float, dict]:
-    """The lowest threshold (not below `floor`) whose false-hit rate (hits on pairs that differ, after the
-    guards) is at most the target, and what it gives: the share of equivalent pairs that hit, and the
-    false-hit rate."""
-    a = embedder.encode([p[0] for p in pairs])
-    b = embedder.encode([p[1] for p in pairs])
-    sims = (a * b).sum(axis=1)
-    # a pair that shares a frame must pass on what differs too: the lower of the two similarities counts
-    local = [frame_similarity(embedder, x, y) for x, y, _ in pairs]
-    sims = np.array([s if f is None else min(s, f) for s, f in zip(sims, local, strict=True)])
-    passes = np.array([guard(x, y) is None for x, y, _ in pairs])
-    same = np.array([s for _, _, s in pairs])
-    best = 1.0
-    for t in sorted({round(float(s), 2) for s in sims} | {1.0}, reverse=True):
-        hit = passes & (sims >= t)
-        false_rate = float((hit & ~same).sum()) / max(1, int((~same).sum()))
-        if false_rate > target_false_hit_rate:
-            break
-        best = t
-    best = max(best, floor)
-    hit = passes & (sims >= best)
-    report = {
-        "threshold": best,
-        "pairs": len(pairs),
-        "true_hit_rate": float((hit & same).sum()) / max(1, int(same.sum())),
-        "false_hit_rate": float((hit & ~same).sum()) / max(1, int((~same).sum())),
-        "guard_refusals_on_true_pairs": int((~passes & same).sum()),
-    }
-    return best, report
-
-
-def calibration_report(embedder: Embedder | None = None) -> dict:
-    """`calibrate` on the shipped pairs, as `DEFAULT_THRESHOLD` was obtained; plus the threshold the pairs
-    alone would allow (without the floor)."""
-    embedder = embedder or Embedder()
-    pairs = load_pairs()
-    _, report = calibrate(pairs, embedder)
-    report["unfloored_threshold"] = calibrate(pairs, embedder, floor=0.0)[0]
-    report["floor"] = FLOOR
-    return report

@@ -7,7 +7,8 @@ details stay in our logs.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -19,9 +20,6 @@ from starlette.routing import Match
 
 from core.db.database import UNREACHABLE
 from policies.budgets import BudgetError, CountersUnavailable, RateLimited
-
-if TYPE_CHECKING:
-    from gateway.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -124,16 +122,17 @@ def from_budget(exc: BudgetError) -> APIError:
     return APIError(429, exc.message, code="insufficient_quota", type="insufficient_quota")
 
 
-def install(app: FastAPI, metrics: Metrics | None = None) -> None:
-    """Answer every error in OpenAI's shape; `metrics` counts the budget and rate-limit 429s where they leave."""
+def install(app: FastAPI, on_refusal: Callable[[int, str | None], None] | None = None) -> None:
+    """Answer every error in OpenAI's shape; `on_refusal(status, code)` hears each refusal where it leaves (the
+    metrics count the budget and rate-limit 429s)."""
 
     async def api_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, APIError)
-        return _refusal(exc, metrics)
+        return _refusal(exc, on_refusal)
 
     async def budget_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, BudgetError)
-        return _refusal(from_budget(exc), metrics)
+        return _refusal(from_budget(exc), on_refusal)
 
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(BudgetError, budget_error)
@@ -144,9 +143,9 @@ def install(app: FastAPI, metrics: Metrics | None = None) -> None:
     app.add_exception_handler(Exception, _unexpected)
 
 
-def _refusal(exc: APIError, metrics: Metrics | None) -> JSONResponse:
-    if metrics is not None:
-        metrics.record_error(exc.status, exc.code)  # budget and rate-limit 429s, counted where they leave
+def _refusal(exc: APIError, on_refusal: Callable[[int, str | None], None] | None) -> JSONResponse:
+    if on_refusal is not None:
+        on_refusal(exc.status, exc.code)
     return exc.response()
 
 
@@ -185,7 +184,7 @@ def _is_type_tag(part: object) -> bool:
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    if exc.status_code == 413:  # a chunked body that outgrew the limit (gateway.body_limit)
+    if exc.status_code == 413:  # a chunked body that outgrew the limit (gateway.http.body_limit)
         return APIError(413, "The request body is too large.", code="request_too_large").response()
     if exc.status_code == 400 and exc.detail == _UNPARSEABLE:  # bad UTF-8, nesting too deep for the parser
         return invalid("We could not parse the JSON body of your request. It must be valid JSON in UTF-8.").response()

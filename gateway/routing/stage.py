@@ -9,10 +9,10 @@ request of a tenant whose policy says `router.route_all`), and what follows its 
               "large_share": the tenant's calibration (from `switchboard router calibrate --tenant`, if
               made for this router), else the router's per-tenant one (`--prompts --tenant`), else the
               router's global one
-    afterwards (once the response is out) the conversation is stored for calibration and, for a share
-              of tiny- and small-tier answers, re-run on the large tier and judged (`gateway.shadow`),
-              as the tenant's policy asks; each verdict feeds the tenant's quality estimate and may
-              recalibrate it toward large (`gateway.quality_floor`)
+    afterwards (once the response is out, `gateway.pipeline.followups`) the conversation is stored for
+              calibration (`store`) and, for a share of tiny- and small-tier answers, re-run on the large tier
+              and judged (`gateway.routing.shadow`), as the tenant's policy asks; each verdict feeds the
+              tenant's quality estimate and may recalibrate it toward large (`gateway.routing.quality_floor`)
 
 Drift: every decision goes into a sliding window (global and per tenant) of large calls against the
 share the deciding threshold was calibrated to send (`router_model.drift`), read by `/metrics` and
@@ -34,10 +34,10 @@ import anyio
 import numpy as np
 
 from engines.protocol import TierEngine
-from gateway.errors import APIError
-from gateway.quality_floor import QualityFloor
-from gateway.routing_hidden import HiddenStateSource
-from gateway.tenants import Principal
+from gateway.accounting.tenants import Principal
+from gateway.http.errors import APIError
+from gateway.routing.hidden import HiddenStateSource
+from gateway.routing.quality_floor import QualityFloor
 from policies.policy import Policy
 from policies.store import PolicyStore
 from router_model.drift import LargeShareWindow, Shares
@@ -47,9 +47,8 @@ from router_model.quality import TenantVerdicts
 from router_model.routed_prompts import RoutedPromptStore
 from router_model.serving import RouterService
 
-if TYPE_CHECKING:  # the pipeline runs this stage, and the relabeler meters through the pipeline
-    from gateway.pipeline.plan import Outcome, Plan
-    from gateway.shadow import Relabeler
+if TYPE_CHECKING:
+    from gateway.routing.shadow import Relabeler
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +85,7 @@ class RoutingStage:
         self.prompts = prompts
         self.relabeler = relabeler
         self.unavailable = unavailable  # why there is no router, for the 404 and the admin stats
-        self.building = False  # a router is being built after startup (`gateway.router_bootstrap`): 503, not 404
+        self.building = False  # a router is being built after startup (`gateway.routing.bootstrap`): 503, not 404
         self.drift = LargeShareWindow()
         self.tenant_drift: dict[str, LargeShareWindow] = {}
         self._stale_warned: set[tuple[str, str]] = set()
@@ -226,24 +225,20 @@ class RoutingStage:
             return [t for t in ladder if t != TINY], [t for t in tiers if t != TINY] or tiers
         return ladder, tiers
 
-    def after_response(self, plan: Plan, outcome: Outcome) -> None:
-        """Once the response is out: store the conversation, maybe start a shadow run. Never blocks."""
-        route = plan.route
-        if route is None or outcome.status != "ok":
-            return
-        if plan.caller.policy.policy.router.store_prompts and self.prompts is not None:
-            self._spawn(self._store(plan, route), f"storing routed prompts of {plan.request_id}")
-        fresh = plan.cache.answer is None  # a cached answer is not a new small-tier answer
-        if self.relabeler is not None and fresh and plan.caller.endpoint == "chat.completions":
-            self.relabeler.offer(plan, outcome)
-
-    async def _store(self, plan: Plan, route: RouteDecision) -> None:
+    def store(self, tenant_id: int, request_id: str, conversations: Sequence[Messages], route: RouteDecision) -> None:
+        """Keep a routed request's conversations for calibration (`router.store_prompts`), off the response's
+        path. Never blocks."""
         store = self.prompts
-        assert store is not None
-        for conversation in plan.conversations:
-            await anyio.to_thread.run_sync(
-                store.add, plan.caller.principal.tenant_id, plan.request_id, conversation, route.p_small_ok, route.tier
-            )
+        if store is None:
+            return
+
+        async def stored() -> None:
+            for conversation in conversations:
+                await anyio.to_thread.run_sync(
+                    store.add, tenant_id, request_id, conversation, route.p_small_ok, route.tier
+                )
+
+        self._spawn(stored(), f"storing routed prompts of {request_id}")
 
     def _spawn(self, work: Coroutine[object, object, None], name: str) -> None:
         async def guarded() -> None:

@@ -247,7 +247,7 @@ def _field(message: Any, name: str) -> Any:
 
 
 def _content_text(content: Any) -> str:
-    """A message's text, as gateway.schemas.ChatMessage.text(): text parts joined with nothing between."""
+    """A message's text, as gateway.http.schemas.ChatMessage.text(): text parts joined with nothing between."""
     if content is None:
         return ""
     if isinstance(content, str):

@@ -10,9 +10,9 @@ from fastapi import Depends, Header
 
 from core.db.database import Database
 from core.db.models import Tenant
-from gateway.deps import DatabaseDep
-from gateway.errors import APIError
-from gateway.tenants import Principal, authenticate, recently_authenticated, tenant_by_name
+from gateway.accounting.tenants import Principal, authenticate, recently_authenticated, tenant_by_name
+from gateway.api.deps import DatabaseDep
+from gateway.http.errors import APIError
 
 
 async def require_principal(db: DatabaseDep, authorization: Annotated[str | None, Header()] = None) -> Principal:

@@ -13,7 +13,7 @@ from sqlalchemy import func, select
 
 from core.db.database import Database
 from core.db.models import Tenant, UsageDaily
-from gateway import ledger
+from gateway.accounting import ledger
 
 GroupBy = Literal["day", "tier", "model"]
 COUNTS = ("requests", *ledger.COUNTS)

@@ -37,7 +37,7 @@ from typing import Literal
 import anyio
 
 from core.settings import Settings
-from gateway.routing import RoutingStage
+from gateway.routing.stage import RoutingStage
 from router_model.label import SHIPPED_LABELS
 from router_model.model import METADATA_FILE, MODEL_FILE, RouterLoadError, load_router, save_router
 from router_model.serving import RouterService

@@ -1,9 +1,8 @@
-"""Prometheus metrics: `GET /metrics` in the text exposition format.
+"""Prometheus counters and histograms (`GET /metrics` serves them: `gateway.api.metrics`).
 
-Counters and histograms are recorded where a request is priced (`gateway.pipeline.metering.Meter.bill`) and where a
-429 leaves (`gateway.errors`); engine gauges (queue depth, KV use, speculative acceptance), the caches'
-error counts and single flight's leaders and released followers are read from the engines, caches and
-pipeline at scrape time, so nothing runs in the background. Each app has its own registry
+Recorded where a request is priced (`gateway.pipeline.metering.Meter.bill`), where a routing decision is
+timed and where a 429 leaves (`gateway.http.errors`); the gauges read at scrape time (engines, caches,
+single flight, the router's drift) are `gateway.api.metrics`'. Each app has its own registry
 (`AppConfig.metrics`): several apps in one process, as in the tests, never share or collide.
 
 Labels carry tiers, endpoints and statuses only, never tenants or prompt text: the label sets stay
@@ -12,17 +11,14 @@ small and a scrape reveals no tenant's data.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from fastapi import APIRouter, Request, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 if TYPE_CHECKING:
-    from gateway.ledger import UsageRecord
-    from gateway.pipeline import Pipeline
+    from gateway.accounting.record import UsageRecord
+
+__all__ = ["FLIGHT_KINDS", "GAUGES", "THROTTLE_CODES", "Metrics"]
 
 # Seconds; CPU engines' first tokens range from tens of milliseconds to tens of seconds under load.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -32,7 +28,7 @@ ROUTE_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)  # a routi
 # A single-flight follower's cache status → the `kind` label
 FLIGHT_KINDS = {"flight-hit": "exact", "flight-sem-hit": "semantic"}
 
-# 429 codes, as gateway.errors sees them → the `reason` label
+# 429 codes, as gateway.http.errors sees them → the `reason` label
 THROTTLE_CODES = {"insufficient_quota": "budget", "rate_limit_exceeded": "rate_limit"}
 
 
@@ -123,93 +119,3 @@ class Metrics:
     def record_error(self, status: int, code: str | None) -> None:
         if status == 429:
             self.throttled.labels(THROTTLE_CODES.get(code or "", "other")).inc()
-
-    def watch(self, pipeline: Callable[[], Pipeline | None]) -> None:
-        """Read engine and cache gauges at scrape time from `pipeline()` (the app's, once it started)."""
-        self.registry.register(_PipelineCollector(pipeline))
-
-
-class _PipelineCollector(Collector):
-    def __init__(self, pipeline: Callable[[], Pipeline | None]) -> None:
-        self.pipeline = pipeline
-
-    def describe(self) -> list[Metric]:
-        return []  # names are only known once engines run; an empty describe keeps registration lazy
-
-    def collect(self) -> Iterator[Metric]:
-        pipeline = self.pipeline()
-        if pipeline is None:  # before startup
-            return
-        gauges = {
-            key: GaugeMetricFamily(f"switchboard_{name}", doc, labels=["tier"]) for key, (name, doc) in GAUGES.items()
-        }
-        alive = GaugeMetricFamily("switchboard_engine_alive", "1 while the tier's engine thread runs", labels=["tier"])
-        for tier, engine in pipeline.engines.items():
-            stats = engine.stats().as_dict()
-            alive.add_metric([tier], 1.0 if engine.alive else 0.0)
-            for key, family in gauges.items():
-                if key in stats:
-                    family.add_metric([tier], float(stats[key]))
-        yield alive
-        yield from gauges.values()
-        yield from _router_gauges(pipeline)
-        errors = CounterMetricFamily(
-            "switchboard_cache_errors", "Redis failures the caches absorbed (served as misses)", labels=["cache"]
-        )
-        cache = pipeline.cache
-        if cache is not None:
-            errors.add_metric(["response"], float(cache.exact.errors))
-            if cache.semantic is not None:
-                errors.add_metric(["semantic"], float(cache.semantic.errors))
-        yield errors
-        yield from _flight_metrics(pipeline)
-
-
-def _flight_metrics(pipeline: Pipeline) -> Iterator[Metric]:
-    """Single flight (`gateway.pipeline.single_flight`): leaders in the air, and followers their leader released."""
-    leaders = GaugeMetricFamily(
-        "switchboard_single_flight_leaders", "Requests generating an answer others may wait for"
-    )
-    leaders.add_metric([], float(len(pipeline.flights)))
-    released = CounterMetricFamily(
-        "switchboard_single_flight_released",
-        "Followers whose leader stored no answer (refused, failed, left), so that they ran on their own",
-    )
-    released.add_metric([], float(pipeline.flights.released))
-    yield leaders
-    yield released
-
-
-def _router_gauges(pipeline: Pipeline) -> Iterator[Metric]:
-    """Drift of the learned router: its large-tier share over the last decisions, and what was calibrated."""
-    shares = pipeline.routing.shares()
-    values = {
-        "switchboard_router_large_share": (shares.large_share, "Share of the last routing decisions sent large"),
-        "switchboard_router_calibrated_large_share": (
-            shares.calibrated_large_share,
-            "Share of large calls the deciding thresholds were calibrated to send (mean over the same decisions)",
-        ),
-    }
-    for name, (value, doc) in values.items():
-        if value is not None:  # no decision yet: no sample rather than a made-up 0
-            gauge = GaugeMetricFamily(name, doc)
-            gauge.add_metric([], value)
-            yield gauge
-
-
-router = APIRouter(tags=["metrics"])
-
-
-@router.get("/metrics", include_in_schema=False)
-async def metrics(request: Request) -> Response:
-    """Prometheus text format. Public unless `metrics_public` is off: then an admin key is needed."""
-    from gateway.deps import app_config, app_services  # gateway.deps imports this module
-
-    config = app_config(request.app)
-    if not config.settings.metrics_public:
-        from gateway.auth import require_principal, require_role
-
-        principal = await require_principal(app_services(request.app).db, request.headers.get("authorization"))
-        await require_role("admin")(principal)
-    registry: CollectorRegistry = config.metrics.registry
-    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

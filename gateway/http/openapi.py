@@ -3,7 +3,7 @@
 The auth dependency reads the `Authorization` header itself (so a missing or malformed one is a 401
 in OpenAI's shape, not FastAPI's), which FastAPI would document as an optional header parameter of
 every route. Here it becomes what it is: HTTP bearer authentication, required by every route that
-reads it. Error responses are declared by the routes themselves (`gateway.errors.documented`).
+reads it. Error responses are declared by the routes themselves (`gateway.http.errors.documented`).
 """
 
 from __future__ import annotations

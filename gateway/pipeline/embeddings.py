@@ -24,11 +24,11 @@ import numpy as np
 
 from core.embedder import Embedder
 from engines.remote.engine import RemoteEngine
-from gateway.errors import APIError, from_budget, invalid
+from gateway.accounting.record import Decisions, TokenCounts, UsageRecord
+from gateway.accounting.tenants import Principal
+from gateway.http.errors import APIError, from_budget, invalid
+from gateway.http.schemas import EmbeddingRequest
 from gateway.pipeline.refusals import model_not_allowed
-from gateway.schemas import EmbeddingRequest
-from gateway.tenants import Principal
-from gateway.usage_record import Decisions, TokenCounts, UsageRecord
 from policies.budgets import BudgetError, Reservation
 from policies.policy import PER_MILLION
 from policies.pricing import Charge

@@ -9,7 +9,7 @@ The request id is the client's `x-request-id` header if it sent a sane one, else
 the response's `x-request-id` header. Once a completion request passed its checks, its id takes over
 (`chatcmpl-…`): the id in the response body, its `x-request-id` header, its ledger row and the rest
 of its log lines, the access line included, then agree. Prompts and completions are
-not logged unless the tenant's policy opts in (`logging.log_prompts`, see gateway.prompt_log): no
+not logged unless the tenant's policy opts in (`logging.log_prompts`, see gateway.pipeline.prompt_log): no
 other log call passes message or prompt text, the access log records the path only (bodies and
 headers never), and an unhandled error logs its stack and exception types, not their messages.
 """

@@ -20,10 +20,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from gateway.errors import invalid
-from gateway.normalize import CacheKey, is_deterministic, request_key
-from gateway.response_cache import CachedAnswer, ResponseCache
-from gateway.semantic_cache import SemanticCache
+from gateway.cache.exact import CachedAnswer, ResponseCache
+from gateway.cache.normalize import CacheKey, is_deterministic, request_key
+from gateway.cache.semantic import SemanticCache
+from gateway.http.errors import invalid
 from policies.policy import CacheSettings
 
 Mode = Literal["default", "no-cache", "no-store"]

@@ -3,7 +3,7 @@ toward large when the estimate shows the floor is not kept.
 
     served     every routed request's serving tier, per tenant (the last 1,000): the shares c_t
     estimate   `router_model.quality.estimate` on those shares and the tenant's shadow verdicts since its
-               last recalibration (`gateway.shadow` judges a sample of tiny- and small-served answers)
+               last recalibration (`gateway.routing.shadow` judges a sample of tiny- and small-served answers)
     check      after each new verdict, for a tenant in mode `quality_ratio`: where the estimate's 95%
                upper end is below the floor on at least 30 fresh verdicts, a new policy version aims the
                held-out curve higher by the shortfall (`router.recalibration`), saved and audited as

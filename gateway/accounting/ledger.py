@@ -4,7 +4,7 @@ The request id is the primary key, so a second row for a request cannot exist. T
 rollup increment commit in one transaction, so the rollup always equals the sum of the raw rows and
 reports never scan them. If the database is unreachable the row goes to a spool file under the home
 directory, drained (rollup included) as soon as the database answers again: usage is never dropped.
-The row itself is `gateway.usage_record.UsageRecord`.
+The row itself is `gateway.accounting.record.UsageRecord`.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from sqlalchemy.orm import Session
 
 from core.db.database import Database
 from core.db.models import Usage, UsageDaily
-from gateway.usage_record import AMOUNTS, COUNTS, UsageRecord
-from gateway.usage_spool import UsageSpool
+from gateway.accounting.record import AMOUNTS, COUNTS, UsageRecord
+from gateway.accounting.spool import UsageSpool
 
 __all__ = ["AMOUNTS", "COUNTS", "Ledger", "UsageRecord", "add", "add_many", "rebuild_rollup", "spool_path"]
 

@@ -1,5 +1,5 @@
 """Online relabeling: a share of live tiny- and small-tier answers re-run on the large tier, judged, and
-logged as label rows: the tenant's quality estimate (`gateway.quality_floor`) and, with the
+logged as label rows: the tenant's quality estimate (`gateway.routing.quality_floor`) and, with the
 conversation, what `switchboard router train --from-logs` learns from.
 
 After a routed request's response has gone out (never on its path), the routing stage hands it here
@@ -38,8 +38,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import anyio
 
@@ -47,24 +45,31 @@ from core.settings import Settings
 from engines.protocol import EngineUnavailable, RequestRejected, TierEngine
 from engines.request import EngineRequest, FinishReason
 from engines.sampling import SamplingParams
-from gateway.errors import from_budget
-from gateway.ledger import Ledger
-from gateway.metrics import Metrics
-from gateway.pipeline.metering import Meter, ShadowUsage
-from gateway.pipeline.plan import Outcome, Plan
+from gateway.accounting.ledger import Ledger
+from gateway.accounting.metrics import Metrics
+from gateway.http.errors import from_budget
+from gateway.routing.shadow_rows import (
+    Answer,
+    Failed,
+    ShadowJob,
+    ShadowMeter,
+    Spent,
+    label_row,
+    labels_path,
+    shadow_usage,
+)
 from grading.graders import judge_messages, parse_verdict
 from policies.budgets import BudgetError, Budgets, Reservation
-from policies.pricing import Tokens, worst_case
+from policies.pricing import worst_case
 from policies.store import Versioned
 from router_model.features import split_conversation
-from router_model.label import JUDGE_MAX_TOKENS, MAX_TOKENS, tier_model
+from router_model.label import JUDGE_MAX_TOKENS, MAX_TOKENS
 from router_model.label_store import Row, open_appender, read_rows
 from router_model.model import LARGE, SMALL, TINY
 from router_model.quality import TenantVerdicts
 
 log = logging.getLogger(__name__)
 
-LABELS_FILE = "router-labels.jsonl"
 SHADOW_PRIORITY = 1  # live requests run at 0: a shadow run waits behind them
 # A new tenant's first verdicts are drawn at half its cheaper answers or more: at 5% an 800-request day gave
 # 2-7 verdicts a tenant (docs/savings.md), an interval 0.3-0.6 wide. With 50 (`shadow_warmup`) the 95%
@@ -73,73 +78,6 @@ SHADOW_PRIORITY = 1  # live requests run at 0: a shadow run waits behind them
 # answers, and cost the operator 50 large runs and judges once per tenant and recalibration.
 WARMUP_SHARE = 0.5
 JUDGE_TEMPLATE_TOKENS = 256  # the judge prompt's own words, over the question and both answers (a bound)
-
-
-def labels_path(home: Path) -> Path:
-    """The live label log: `switchboard router train --from-logs` reads it."""
-    return Path(home).expanduser() / LABELS_FILE
-
-
-@dataclass(frozen=True)
-class ShadowJob:
-    """A routed request a cheaper tier (tiny, small) answered, as it went out."""
-
-    request_id: str
-    endpoint: str
-    tenant_id: int
-    tenant: str  # its name
-    key_id: int
-    policy: Versioned
-    messages: list[dict[str, str]]
-    answer_text: str  # the served tier's answer
-    answer_tokens: int
-    answer_finish: str | None
-    max_tokens: int  # what the live request was allowed
-    served: str = SMALL  # the tier that answered
-
-    @classmethod
-    def of(cls, plan: Plan, outcome: Outcome) -> ShadowJob:
-        """The job for a routed chat request's first answer, as it went out."""
-        caller = plan.caller
-        return cls(
-            request_id=caller.request_id,
-            endpoint=caller.endpoint,
-            tenant_id=caller.principal.tenant_id,
-            tenant=caller.principal.tenant_name,
-            key_id=caller.principal.key_id,
-            policy=caller.policy,
-            messages=[{"role": str(m["role"]), "content": str(m["content"])} for m in plan.conversations[0]],
-            answer_text=outcome.texts[0],
-            answer_tokens=outcome.choice_tokens[0],
-            answer_finish=outcome.finish_reasons[0],
-            max_tokens=plan.work.requests[0].params.max_tokens,
-            served=outcome.served.name,
-        )
-
-
-@dataclass
-class _Answer:
-    text: str = ""
-    prompt_tokens: int = 0
-    tokens: int = 0
-    cached: int = 0
-    finish: str = "rejected"  # not run: too long for the tier
-
-
-@dataclass
-class _Spent:
-    """What a shadow run's two generations ran so far: what its ledger row counts."""
-
-    large: _Answer = field(default_factory=_Answer)
-    judge: _Answer = field(default_factory=_Answer)
-
-
-class _Failed(Exception):
-    """The large tier failed or went away mid-run: no label; `answer` is what ran (its tokens are billed)."""
-
-    def __init__(self, answer: _Answer) -> None:
-        super().__init__("the large tier failed")
-        self.answer = answer
 
 
 class Relabeler:
@@ -155,7 +93,7 @@ class Relabeler:
         self.engines = engines
         self.settings = settings
         self.budgets = budgets
-        self.meter = Meter(ledger, budgets, metrics)
+        self.meter = ShadowMeter(ledger, budgets, metrics)
         self.path = labels_path(settings.home_dir)
         self._rng = rng or random.Random()
         self._append_lock = threading.Lock()  # rows from concurrent runs never interleave
@@ -186,11 +124,6 @@ class Relabeler:
         if served_by not in (TINY, SMALL) or share <= 0 or not self.settings.shadow_runs:
             return False
         return large is not None and large.alive and self._rng.random() < share
-
-    def offer(self, plan: Plan, outcome: Outcome) -> None:
-        """A routed chat request's fresh answer, once it went out: shadow-run it if it is drawn (`wants`)."""
-        if self.wants(plan.caller.policy, outcome.served.name, plan.caller.principal.tenant_name):
-            self.submit(ShadowJob.of(plan, outcome))
 
     def submit(self, job: ShadowJob) -> None:
         """Start the run in the background; the caller's response is already out."""
@@ -231,11 +164,11 @@ class Relabeler:
             reservation = await self._reserve(job, rid, len(prompt), max_tokens)
             if reservation is None:
                 return None
-        spent, status = _Spent(), "ok"
+        spent, status = Spent(), "ok"
         good_enough, verdict = False, None
         try:
             good_enough, verdict = await self._compare(engine, rid, prompt, max_tokens, job, spent)
-        except _Failed:
+        except Failed:
             status = "error"
         except asyncio.CancelledError:
             status = "aborted"
@@ -245,11 +178,12 @@ class Relabeler:
             raise
         finally:
             with anyio.CancelScope(shield=True):  # what ran is written down, however the run ended
-                usage = self._usage(job, rid, spent, max_tokens, status, time.perf_counter() - clock, billed)
-                await self.meter.bill_shadow(usage, reservation)
+                usage = shadow_usage(job, rid, spent, self.settings, max_tokens, status, time.perf_counter() - clock)
+                await self.meter.bill(usage, reservation)
         if status != "ok":
             return None
-        row = self._row(job, len(prompt), spent, good_enough, verdict, time.perf_counter() - clock, started)
+        seconds = time.perf_counter() - clock
+        row = label_row(job, len(prompt), spent, good_enough, verdict, seconds, started, self.settings.tiers)
         await anyio.to_thread.run_sync(self._append, row)
         if self.on_verdict is not None:
             await self.on_verdict(job.tenant_id, job.tenant)
@@ -270,13 +204,13 @@ class Relabeler:
             return None
 
     async def _compare(
-        self, engine: TierEngine, rid: str, prompt: list[int], max_tokens: int, job: ShadowJob, spent: _Spent
+        self, engine: TierEngine, rid: str, prompt: list[int], max_tokens: int, job: ShadowJob, spent: Spent
     ) -> tuple[bool, str | None]:
         """The large tier's answer, then (unless identical) the judge's verdict on the served tier's: (good
         enough, the verdict's text). What ran goes into `spent` as it finishes, failed runs included."""
         try:
             spent.large = await self._generate(engine, f"{rid}-large", prompt, max_tokens, job.tenant_id)
-        except _Failed as failed:
+        except Failed as failed:
             spent.large = failed.answer
             raise
         if spent.large.text.strip() == job.answer_text.strip():
@@ -289,82 +223,15 @@ class Relabeler:
             engine.check(judging, JUDGE_MAX_TOKENS)
             spent.judge = await self._generate(engine, f"{rid}-judge", judging, JUDGE_MAX_TOKENS, job.tenant_id)
         except RequestRejected:
-            spent.judge = _Answer()  # as `router label`: an unread comparison is no "yes"
-        except _Failed as failed:
+            spent.judge = Answer()  # as `router label`: an unread comparison is no "yes"
+        except Failed as failed:
             spent.judge = failed.answer
             raise
         return parse_verdict(spent.judge.text) is True, spent.judge.text
 
-    def _usage(
-        self, job: ShadowJob, rid: str, spent: _Spent, max_tokens: int, status: str, seconds: float, billed: bool
-    ) -> ShadowUsage:
-        large, judge = spent.large, spent.judge
-        tier = self.settings.tiers.get(LARGE)
-        return ShadowUsage(
-            request_id=rid,
-            endpoint=job.endpoint,
-            tenant_id=job.tenant_id,
-            key_id=job.key_id,
-            policy=job.policy,
-            tier=LARGE,
-            model=tier.model if tier else LARGE,
-            tokens=Tokens(
-                prompt=large.prompt_tokens + judge.prompt_tokens,
-                completion=large.tokens + judge.tokens,
-                cached_prompt=large.cached + judge.cached,
-            ),
-            finish_reason=large.finish,
-            max_tokens=max_tokens,
-            status=status,
-            seconds=seconds,
-            billed=billed,
-        )
-
-    def _row(
-        self,
-        job: ShadowJob,
-        prompt: int,
-        spent: _Spent,
-        good_enough: bool,
-        verdict: str | None,
-        seconds: float,
-        started: float,
-    ) -> Row:
-        """The label row, in `router label`'s format (for the tier that served) plus the live request's."""
-        large, judge, tiers, served = spent.large, spent.judge, self.settings.tiers, job.served
-        row: Row = {
-            "id": f"live/{job.request_id}",
-            "source": "live",
-            "served": served,
-            f"{served}_ok": good_enough,
-            "large_ok": True,  # the reference, as for open chat in `router label`
-        }
-        if served == SMALL:
-            row["label"] = good_enough
-        row |= {
-            "prompt_tokens": prompt,
-            f"{served}_tokens": job.answer_tokens,
-            "large_tokens": large.tokens,
-            f"{served}_finish": job.answer_finish,
-            "large_finish": large.finish,
-            "seconds": round(seconds, 3),
-            "judge": verdict,
-            "judge_prompt_tokens": judge.prompt_tokens,
-            "judge_tokens": judge.tokens,
-            f"{served}_model": tier_model(tiers[served]) if served in tiers else served,
-            "large_model": tier_model(tiers[LARGE]) if LARGE in tiers else LARGE,
-            "request_id": job.request_id,
-            "tenant_id": job.tenant_id,
-            "tenant": job.tenant,
-            "started": started,
-        }
-        if job.policy.policy.router.store_prompts:  # the conversation only where the tenant lets us keep it
-            row["messages"] = job.messages
-        return row
-
     async def _generate(
         self, engine: TierEngine, request_id: str, prompt: list[int], max_tokens: int, tenant_id: int
-    ) -> _Answer:
+    ) -> Answer:
         salt = f"tenant:{tenant_id}" if self.settings.prefix_cache_scope == "tenant" else ""
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
         request = EngineRequest(request_id, prompt, params, priority=SHADOW_PRIORITY, cache_salt=salt)
@@ -372,7 +239,7 @@ class Relabeler:
         try:
             stream = engine.open([request])
         except EngineUnavailable:
-            raise _Failed(_Answer(finish="error")) from None
+            raise Failed(Answer(finish="error")) from None
         failed = False
         try:
             async for out in stream:
@@ -387,7 +254,7 @@ class Relabeler:
                 await stream.aclose()
         last = stream.last.get(request_id)
         finish = last.finish_reason.value if last is not None and last.finish_reason else "error"
-        answer = _Answer(
+        answer = Answer(
             "".join(pieces),
             len(prompt) if last is not None else 0,
             last.completion_tokens if last is not None else 0,
@@ -395,7 +262,7 @@ class Relabeler:
             finish,
         )
         if failed or last is None or last.finish_reason in (FinishReason.ABORT, FinishReason.ERROR):
-            raise _Failed(answer)
+            raise Failed(answer)
         return answer
 
     def _append(self, row: Row) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.errors import APIError
+from gateway.http.errors import APIError
 
 
 class BodyTooLarge(HTTPException):
