@@ -13,6 +13,8 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
+__all__ = ["lazy_exports"]
+
 
 def lazy_exports(package: str, exports: dict[str, str]) -> Callable[[str], Any]:
     """A sub-package's module `__getattr__`: each public name (name → module) is imported on first use,

@@ -11,3 +11,17 @@
 `app.py` (`create_app`) puts them together; `cli/` (the `switchboard` command) sits on top of it. Only this
 package and the tests import it (tests/test_layers.py holds both orders).
 """
+
+__all__ = [
+    "accounting",
+    "api",
+    "app",
+    "cache",
+    "cli",
+    "console",
+    "http",
+    "pipeline",
+    "routing",
+    "runtime",
+    "tool_calls",
+]

@@ -1,8 +1,12 @@
-"""The layer rule, checked on every import: module level and inside functions, `import x` and `from x import y`.
+"""The layer rule, checked on every import: module level, inside functions and under `TYPE_CHECKING`, `import x`
+and `from x import y`.
 
 Packages, bottom up: engines → core → grading → policies → router_model → verifiers → gateway. A package
 may import only packages below it; nothing outside `gateway/` and `tests/` imports `gateway`; no two
-packages import each other. Each check is shown to catch a planted violation.
+packages import each other. Inside the gateway its sub-packages keep an order of their own (`GATEWAY_ORDER`)
+and nothing below `api/` imports a route; no module anywhere imports itself through others (a module
+circle). Every sub-package says what it holds (a docstring) and what it offers (`__all__`). Each check is
+shown to catch a planted violation.
 """
 
 from __future__ import annotations
@@ -52,6 +56,71 @@ def package_edges(root: Path = ROOT, extra: dict[str, str] | None = None) -> dic
     return edges
 
 
+def layer_sources(root: Path = ROOT, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Path relative to root → text, for every module of the layers (`extra`: planted ones)."""
+    sources = {p.relative_to(root).as_posix(): p.read_text() for pkg in LAYERS for p in (root / pkg).rglob("*.py")}
+    return sources | (extra or {})
+
+
+def module_of(rel: str) -> tuple[str, bool]:
+    parts = Path(rel).with_suffix("").parts
+    is_package = parts[-1] == "__init__"
+    return ".".join(parts[:-1] if is_package else parts), is_package
+
+
+def module_graph(sources: dict[str, str]) -> dict[str, dict[str, str]]:
+    """Module → {module it imports → where}. `from pkg import sub` is an import of the module `pkg.sub` where
+    that is a module, else of `pkg`; a name that is no module of ours counts as its nearest enclosing one."""
+    modules = {module_of(rel)[0] for rel in sources}
+    graph: dict[str, dict[str, str]] = defaultdict(dict)
+    for rel, text in sources.items():
+        module, is_package = module_of(rel)
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = imported_modules(ast.unparse(node), module, is_package)[0][1] if node.level else node.module
+                subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in modules]
+                names = subs + ([base or ""] if len(subs) < len(node.names) else [])
+            else:
+                continue
+            for name in names:
+                while name and name not in modules:
+                    name = name.rpartition(".")[0]
+                if name and name != module:
+                    graph[module].setdefault(name, f"{rel}:{node.lineno}")
+    return graph
+
+
+def module_cycles(graph: dict[str, dict[str, str]]) -> list[list[str]]:
+    """Every set of modules that import each other round (strongly connected, more than one), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's algorithm; the graph is a few hundred modules deep at most
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while (w := stack.pop()) != v:
+                component.append(w)
+            if component:
+                found.append(sorted([v, *component]))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
 def violations(edges: dict[tuple[str, str], list[str]]) -> list[str]:
     problems = []
     for (src, dst), where in sorted(edges.items()):
@@ -93,6 +162,119 @@ def test_a_cycle_between_packages_is_caught() -> None:
     # verifiers → policies is allowed alone; policies → verifiers as well makes a cycle (and points up)
     problems = violations(package_edges(extra={"policies/planted.py": "import verifiers.base\n"}))
     assert any("import each other" in p for p in problems), problems
+
+
+def test_no_module_circle_anywhere() -> None:
+    import sys
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 5000))
+    assert module_cycles(module_graph(layer_sources())) == []
+
+
+@pytest.mark.parametrize(
+    "planted",
+    [
+        {
+            "grading/planted_a.py": "from grading.planted_b import x\n",
+            "grading/planted_b.py": "import grading.planted_a\n",
+        },
+        {  # through a function's import and a type-only one
+            "policies/planted_a.py": "def f() -> None:\n    from policies import planted_b\n",
+            "policies/planted_b.py": (
+                "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .planted_a import f\n"
+            ),
+        },
+    ],
+)
+def test_a_planted_module_circle_is_caught(planted: dict[str, str]) -> None:
+    cycles = module_cycles(module_graph(layer_sources(extra=planted)))
+    assert [module_of(rel)[0] for rel in sorted(planted)] in cycles, cycles
+
+
+# --- the gateway's rooms ------------------------------------------------------------------------------------
+
+# Each may import only those before it: the leaves (HTTP shapes, tiers and schedules, tenants and the ledger),
+# the caches and tool calls, routing, the pipeline, the routes, the console, then `app.py` and the CLI on top.
+GATEWAY_ORDER = ("http", "runtime", "accounting", "cache", "tool_calls", "routing", "pipeline", "api", "console",
+                 "app", "cli")  # fmt: skip
+ROUTE_USERS = ("api", "app", "cli")  # who may import a route module; the console takes only deps and auth
+NOT_ROUTES = ("gateway.api", "gateway.api.deps", "gateway.api.auth", "gateway.api.params")
+MAX_GATEWAY_TOP_MODULES = 2  # app.py and __init__.py
+MAX_GATEWAY_FILE_LINES = 400
+
+
+def gateway_room(module: str) -> str:
+    parts = module.split(".")
+    return "app" if len(parts) < 3 and parts[-1] in ("gateway", "app") else parts[1]
+
+
+def gateway_violations(graph: dict[str, dict[str, str]]) -> list[str]:
+    rank = {room: i for i, room in enumerate(GATEWAY_ORDER)}
+    problems = []
+    for src, targets in sorted(graph.items()):
+        if not src.startswith("gateway"):
+            continue
+        for dst, where in sorted(targets.items()):
+            if not dst.startswith("gateway"):
+                continue
+            a, b = gateway_room(src), gateway_room(dst)
+            if rank[b] > rank[a]:
+                problems.append(f"{where} imports {dst} (up: {a} is below {b})")
+            if b == "api" and dst not in NOT_ROUTES and a not in ROUTE_USERS:
+                problems.append(f"{where} imports the route module {dst}")
+    return problems
+
+
+def test_the_gateways_sub_packages_point_down_and_nothing_below_the_api_imports_a_route() -> None:
+    gateway = {rel: text for rel, text in layer_sources().items() if rel.startswith("gateway/")}
+    rooms = {p.parent.name for p in (ROOT / "gateway").glob("*/__init__.py")}
+    assert rooms == set(GATEWAY_ORDER) - {"app"}, "a new gateway sub-package needs its place in GATEWAY_ORDER"
+    assert gateway_violations(module_graph(gateway)) == []
+
+
+@pytest.mark.parametrize(
+    ("path", "source", "why"),
+    [
+        ("gateway/http/planted.py", "from gateway.pipeline import Pipeline\n", "up: http is below pipeline"),
+        ("gateway/cache/planted.py", "def f() -> None:\n    from gateway.routing import stage\n", "up: cache"),
+        ("gateway/console/planted.py", "from gateway.api.policies import router\n", "route module"),
+    ],
+)
+def test_a_planted_gateway_violation_is_caught(path: str, source: str, why: str) -> None:
+    problems = gateway_violations(module_graph(layer_sources(extra={path: source})))
+    assert any(p.startswith(path) and why in p for p in problems), problems
+
+
+def test_the_gateway_keeps_two_modules_on_top_and_small_files() -> None:
+    assert sorted(p.name for p in (ROOT / "gateway").glob("*.py")) == ["__init__.py", "app.py"]
+    assert len(list((ROOT / "gateway").glob("*.py"))) <= MAX_GATEWAY_TOP_MODULES
+    long = {p.relative_to(ROOT).as_posix(): n for p in (ROOT / "gateway").rglob("*.py")
+            if (n := p.read_text().count("\n")) > MAX_GATEWAY_FILE_LINES}  # fmt: skip
+    assert long == {}
+
+
+def missing_docs(sources: dict[str, str]) -> list[str]:
+    """Packages whose `__init__` says nothing of what they hold (no docstring) or offer (no `__all__`)."""
+    problems = []
+    for rel, text in sorted(sources.items()):
+        if not rel.endswith("__init__.py"):
+            continue
+        tree = ast.parse(text)
+        if ast.get_docstring(tree) is None:
+            problems.append(f"{rel}: no docstring")
+        targets = [t for n in tree.body if isinstance(n, ast.Assign) for t in n.targets]
+        targets += [n.target for n in tree.body if isinstance(n, ast.AnnAssign)]
+        names = {t.id for t in targets if isinstance(t, ast.Name)}
+        if "__all__" not in names:
+            problems.append(f"{rel}: no __all__")
+    return problems
+
+
+def test_every_package_says_what_it_holds_and_offers() -> None:
+    assert missing_docs(layer_sources()) == []
+    planted = missing_docs({"gateway/planted/__init__.py": "x = 1\n", "core/planted/__init__.py": '"""Doc."""\n'})
+    assert planted == ["core/planted/__init__.py: no __all__", "gateway/planted/__init__.py: no docstring",
+                       "gateway/planted/__init__.py: no __all__"]  # fmt: skip
 
 
 # --- small rooms: the limits the layout keeps ------------------------------------------------------------
