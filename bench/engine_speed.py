@@ -48,6 +48,7 @@ from bench.quant import decode_tok_s, variants
 from engines.checkpoints.fetch import assemble_gguf, registry_model
 from engines.engine import Engine
 from engines.kernels import cpu_kernels
+from engines.kernels.cpu_info import cpu_model
 from engines.kernels.quantize import quantize_int8
 from engines.request import EngineRequest
 from engines.sampling import SamplingParams
@@ -56,16 +57,6 @@ from grading.datasets import heldout_text
 QWEN15, SMOL = "qwen2.5-coder-1.5b-instruct", "smollm2-135m-instruct"
 SHAPES = [(1536, 2048), (1536, 1536), (1536, 17920), (8960, 1536)]  # (K, N) of Qwen 1.5B's projections
 FLAGS = ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_int8")
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def median_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -248,7 +239,7 @@ def main() -> None:
     home = Path(os.environ.get("SWITCHBOARD_HOME", "~/.cache/switchboard")).expanduser()
     threads = torch.get_num_threads()
     flags = sorted(f for f in FLAGS if f in cpu_kernels.cpu_flags())
-    say(f"{cpu_name()}, {threads} threads, flags {' '.join(flags)}, kernels {cpu_kernels.variant()}")
+    say(f"{cpu_model()}, {threads} threads, flags {' '.join(flags)}, kernels {cpu_kernels.variant()}")
 
     gemm = bench_gemm(args.repeats)
     models = {}
@@ -257,7 +248,7 @@ def main() -> None:
         models[SMOL] = bench_model(SMOL, home, args, threads, prefill=False)
     spec = run_spec(args) if args.spec else None
 
-    print(f"\n{cpu_name()}, OMP_NUM_THREADS={threads}, kernels {cpu_kernels.variant()}, flags {' '.join(flags)}")
+    print(f"\n{cpu_model()}, OMP_NUM_THREADS={threads}, kernels {cpu_kernels.variant()}, flags {' '.join(flags)}")
     if measured_build() is not None:
         print(f"llama.cpp measured: {measured_build()}")
     names = [k for k in gemm[16] if k != "ours"]
@@ -273,7 +264,7 @@ def main() -> None:
             row = ", ".join(f"{k} {v:,.1f}" for k, v in rates.items())
             print(f"{name} {point} tok/s: {row}")
     summary: dict = {
-        "cpu": cpu_name(),
+        "cpu": cpu_model(),
         "threads": threads,
         "kernels": cpu_kernels.variant(),
         "flags": flags,

@@ -9,7 +9,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from bench.savings_gateway import limits, prepare_router, start_gateway
+from bench.savings_gateway import prepare_router, start_gateway
+from bench.serve import far_limits
 
 
 @contextmanager
@@ -29,7 +30,7 @@ def gateway(home: Path, out: Path, threads: int) -> Iterator[tuple[str, str, str
         key = create_tenant(db, name, actor="bench").key
         tenant = tenant_by_name(db, name)
         assert tenant is not None
-        PolicyStore(db).save(tenant.id, Policy(cache=CacheSettings(enabled=False), **limits()), "bench")
+        PolicyStore(db).save(tenant.id, Policy(cache=CacheSettings(enabled=False), **far_limits()), "bench")
         db.dispose()
         yield served.url, key, served.db_url
     finally:

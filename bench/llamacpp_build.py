@@ -40,6 +40,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from engines.kernels.cpu_info import cpu_name
+
 VERSION = "0.3.36"  # pinned: the suite's greedy answers and the bench baselines are this llama.cpp's
 VARIANTS = ("native-noamx", "native")
 HOME = Path(os.environ.get("SWITCHBOARD_HOME", "~/.cache/switchboard")).expanduser() / "llamacpp"
@@ -112,16 +114,6 @@ class Build:
 def plan(variant: str, march: str = "native") -> Build:
     flags = variant_flags(variant)
     return Build(variant, flags, target_macros(flags, march))
-
-
-def cpu_name() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown"
-    model = re.search(r"^model name\s*:\s*(.+)$", text, re.M)
-    family = re.search(r"^cpu family\s*:\s*(\d+)$", text, re.M)
-    return f"{model.group(1) if model else 'unknown'} (family {family.group(1) if family else '?'})"
 
 
 def build(b: Build, say: Callable[[str], None] = print) -> Path:

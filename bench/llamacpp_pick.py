@@ -25,6 +25,7 @@ from types import ModuleType
 import numpy as np
 
 from bench.llamacpp_build import VARIANTS, ensure_installed, plan, system_info
+from engines.kernels.cpu_info import cpu_flags
 
 PROBE_STEPS = 4
 MIN_COSINE = 0.999  # the same weights through another matmul path: equal up to float rounding
@@ -63,13 +64,9 @@ class Choice:
         return f"{self.variant} (key {self.key}, {where}){tried}"
 
 
-def cpu_has_amx(cpuinfo: str | None = None) -> bool:
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return False
-    return "amx_int8" in cpuinfo.split()
+def cpu_has_amx(text: str | None = None) -> bool:
+    """Whether the CPU (or another machine's /proc/cpuinfo `text`) has AMX int8 tiles."""
+    return "amx_int8" in cpu_flags(text)
 
 
 def candidates(forced: str | None = None, amx: bool | None = None) -> list[str]:

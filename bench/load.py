@@ -34,7 +34,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,6 +48,7 @@ from typing import Any
 import httpx
 
 from bench import from_tests
+from bench.serve import SERVE, far_limits, launch_serve, serve_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -335,59 +335,10 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def launch_serve(
-    code: str,
-    env: dict[str, str],
-    cwd: str,
-    port: int,
-    log: Path,
-    cleanups: list[Callable[[], None]],
-    *,
-    stop_signal: int = signal.SIGTERM,
-    ready_s: float = 300,
-    poll_s: float = 0.25,
-) -> tuple[subprocess.Popen[bytes], str, Callable[[], None]]:
-    """Run `switchboard serve` (`code`: a `python -c` program) in `cwd` with `env`, its output in `log`, and
-    wait until its /healthz on `port` answers 200: (the process, its URL, a stop that ends it with
-    `stop_signal` and then runs `cleanups` in reverse). If it exits or is not healthy within `ready_s`, it is
-    stopped and RuntimeError names the log."""
-    out = log.open("w")
-    proc = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
-
-    def stop() -> None:
-        proc.send_signal(stop_signal)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        out.close()
-        for fn in reversed(cleanups):
-            try:
-                fn()
-            except Exception as exc:  # cleanup is best effort
-                say(f"cleanup: {type(exc).__name__}: {exc}")
-
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + ready_s
-    while True:
-        if proc.poll() is not None:
-            stop()
-            raise RuntimeError(f"the gateway exited ({proc.returncode}); see {log}")
-        try:
-            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
-                return proc, url, stop
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            stop()
-            raise RuntimeError(f"the gateway did not become healthy; see {log}")
-        time.sleep(poll_s)
-
-
 def start_gateway(home: Path, sqlite: bool, log: Path, cprofile: Path | None = None) -> Gateway:
     from core.db.database import Database
     from gateway.accounting.tenants import create_tenant
-    from policies.policy import Budget, Policy, RateLimits
+    from policies.policy import Policy
     from policies.store import PolicyStore
 
     services = from_tests("services")
@@ -410,33 +361,15 @@ def start_gateway(home: Path, sqlite: bool, log: Path, cprofile: Path | None = N
 
     principal = authenticate(db, issued.key)
     assert principal is not None
-    from decimal import Decimal
-
-    policy = Policy(
-        budgets=[
-            Budget(period="daily", money=Decimal(100_000), tokens=10**12),
-            Budget(period="monthly", money=Decimal(1_000_000), tokens=10**13),
-        ],
-        rate_limits=RateLimits(key_rpm=10**7, key_tpm=10**11, tenant_rpm=10**7, tenant_tpm=10**11),
-    )
+    policy = Policy(**far_limits())
     PolicyStore(db).save(principal.tenant_id, policy, "bench", note="bench/load.py")
     db.engine.dispose()
 
     port = services.free_port()
-    env = {
-        **os.environ,
-        "SWITCHBOARD_HOME": str(home),
-        "SWITCHBOARD_DATABASE_URL": db_url,
-        "SWITCHBOARD_REDIS_URL": redis_url,
-        "SWITCHBOARD_REDIS_NAMESPACE": namespace,
-        "SWITCHBOARD_PROFILE": "tiny",
-        "SWITCHBOARD_PORT": str(port),
-        "SWITCHBOARD_LOG_LEVEL": "warning",  # no access log: it would cost the server CPU per request
-        "SWITCHBOARD_ROUTER_AUTO_TRAIN": "false",  # no router training competing with the load
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
-        "PYTHONPATH": str(ROOT),
-    }
-    serve = "import sys; from gateway.cli import main; sys.exit(main(['serve']))"
+    # no router training competing with the load
+    env = serve_env(home, db_url, port, SWITCHBOARD_REDIS_URL=redis_url, SWITCHBOARD_REDIS_NAMESPACE=namespace,
+                    SWITCHBOARD_PROFILE="tiny", SWITCHBOARD_ROUTER_AUTO_TRAIN="false")  # fmt: skip
+    serve = SERVE
     if cprofile is not None:  # the event loop's thread only; stats are written when the server stops
         serve = (
             "import cProfile; from gateway.cli import main; prof = cProfile.Profile(); prof.enable()\n"

@@ -143,7 +143,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--skip", nargs="*", default=[], choices=["families", "gemma3", "moe"])
     args = ap.parse_args()
-    from engines.kernels.cpu_kernels import cpu_flags
+    from engines.kernels.cpu_info import cpu_flags
 
     say(f"CPU flags: {' '.join(sorted(cpu_flags() & {'avx2', 'avx512f', 'avx512_vnni', 'avx512_bf16', 'amx_int8'}))}")
     say(f"threads: {torch.get_num_threads()}")

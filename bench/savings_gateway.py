@@ -21,15 +21,15 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from bench import from_tests
-from bench.load import launch_serve, say
+from bench.load import say
 from bench.savings_trace import Request
+from bench.serve import SERVE, far_limits, launch_serve, serve_env
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL = "smollm2-135m-instruct"
@@ -73,19 +73,6 @@ def prepare_router(router: Path | None, profile: str, home: Path, out: Path) -> 
 # --- tenants and policies ------------------------------------------------------------------------------
 
 
-def limits() -> dict[str, Any]:
-    """Hard budgets and rate limits on every counter, all far from refusing: the budget path runs."""
-    from policies.policy import Budget, RateLimits
-
-    return {
-        "budgets": [
-            Budget(period="daily", money=Decimal(100_000), tokens=10**12),
-            Budget(period="monthly", money=Decimal(1_000_000), tokens=10**13),
-        ],
-        "rate_limits": RateLimits(key_rpm=10**7, key_tpm=10**11, tenant_rpm=10**7, tenant_tpm=10**11),
-    }
-
-
 def auto_policies(thresholds: dict[str, float], cap: int) -> dict[str, Any]:
     """The three tenants of the `auto` run: a cost-saver (few large calls, semantic cache, a max_tokens cap),
     a balanced default, a quality-first one (more large calls, prompt-example checks with a cascade). No
@@ -98,11 +85,11 @@ def auto_policies(thresholds: dict[str, float], cap: int) -> dict[str, Any]:
     verifiers = VerifierSettings(enabled=["degeneration"], checks=["prompt_examples"], cascade=True)
     return {
         "saver": Policy(router=router("saver"), cache=CacheSettings(semantic=True),
-                        sampling=SamplingLimits(max_tokens_cap=cap), verifiers=_no_checks(), **limits()),
+                        sampling=SamplingLimits(max_tokens_cap=cap), verifiers=_no_checks(), **far_limits()),
         "balanced": Policy(router=router("balanced"), cache=CacheSettings(semantic=False), verifiers=_no_checks(),
-                           **limits()),
+                           **far_limits()),
         "quality": Policy(router=router("quality"), cache=CacheSettings(semantic=False), verifiers=verifiers,
-                          **limits()),
+                          **far_limits()),
     }  # fmt: skip
 
 
@@ -113,7 +100,7 @@ def default_policy(shadow_share: float | None = None) -> Any:
     from policies.policy import Policy, RouterSettings
 
     router = RouterSettings() if shadow_share is None else RouterSettings(shadow_share=shadow_share)
-    return Policy(router=router, **limits())
+    return Policy(router=router, **far_limits())
 
 
 def _no_checks() -> Any:
@@ -126,7 +113,7 @@ def large_policy() -> Any:
     """The always-large run's tenants: no cache (the requests also say `no-store`), no router, no checks."""
     from policies.policy import CacheSettings, Policy
 
-    return Policy(cache=CacheSettings(enabled=False), verifiers=_no_checks(), **limits())
+    return Policy(cache=CacheSettings(enabled=False), verifiers=_no_checks(), **far_limits())
 
 
 @dataclass(frozen=True)
@@ -153,7 +140,7 @@ def create_tenants(
     plan += [("auto", role, auto[role]) for role in ROLES] + [
         ("default", role, default_policy(shadow_share)) for role in ROLES
     ]
-    plan += [("judge", "judge", Policy(verifiers=_no_checks(), **limits()))]
+    plan += [("judge", "judge", Policy(verifiers=_no_checks(), **far_limits()))]
     tenants = {}
     try:
         for run, role, policy in plan:
@@ -215,14 +202,10 @@ def start_gateway(home: Path, profile: str, router_dir: Path, embedded: bool, lo
     os.environ["SWITCHBOARD_KEY_SECRET"] = secret
     use_key_secret(secret, home)
     port = from_tests("services").free_port()
-    env = {
-        **os.environ, **redis_env, **_tier_env(profile, threads),
-        "SWITCHBOARD_CONFIG": "/nonexistent/switchboard.toml", "SWITCHBOARD_HOME": str(home),
-        "SWITCHBOARD_DATABASE_URL": db_url, "SWITCHBOARD_PORT": str(port), "SWITCHBOARD_LOG_LEVEL": "warning",
-        "SWITCHBOARD_ROUTER_DIR": str(router_dir), "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT),
-    }  # fmt: skip
-    serve = "import sys; from gateway.cli import main; sys.exit(main(['serve']))"
-    _, url, stop = launch_serve(serve, env, tmp.name, port, log, cleanups, ready_s=900, poll_s=0.5)
+    env = serve_env(home, db_url, port, **redis_env, **_tier_env(profile, threads),
+                    SWITCHBOARD_CONFIG="/nonexistent/switchboard.toml", SWITCHBOARD_ROUTER_DIR=str(router_dir),
+                    OMP_NUM_THREADS=str(threads))  # fmt: skip
+    _, url, stop = launch_serve(SERVE, env, tmp.name, port, log, cleanups, ready_s=900, poll_s=0.5)
     return Served(url, db_url, log, stop)
 
 

@@ -60,6 +60,7 @@ import httpx
 
 from bench import from_tests
 from bench.load import say
+from bench.serve import SERVE, launch_serve, serve_env
 from bench.soak_report import fmt, log_summary, outage_check, plot, policy_check, report_calls, table
 from bench.soak_services import TIGHT_TOKENS, Postgres, RedisProcess, create_tenants, free_port
 from bench.soak_traffic import Soak, headers, scenario, worker
@@ -229,27 +230,15 @@ def main() -> None:
         keys = create_tenants(pg.url)
         (tmp / "switchboard.toml").write_text(CONFIG)
         port = free_port()
-        env = {
-            **os.environ,
-            "SWITCHBOARD_CONFIG": str(tmp / "switchboard.toml"),
-            "SWITCHBOARD_HOME": str(args.home.expanduser()),
-            "SWITCHBOARD_DATABASE_URL": pg.url,
-            "SWITCHBOARD_REDIS_URL": redis.url,
-            "SWITCHBOARD_REDIS_NAMESPACE": NAMESPACE,
-            "SWITCHBOARD_KEY_SECRET": secret,
-            "SWITCHBOARD_PORT": str(port),
-            "SWITCHBOARD_LOG_LEVEL": "warning",
-            "SWITCHBOARD_ROUTER_AUTO_TRAIN": "false",
-            "SWITCHBOARD_TUNING_CHECK_SECONDS": "0",
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
-            "PYTHONPATH": str(ROOT),
-        }
-        from bench.load import launch_serve
-
+        env = serve_env(
+            args.home.expanduser(), pg.url, port,
+            SWITCHBOARD_CONFIG=str(tmp / "switchboard.toml"), SWITCHBOARD_REDIS_URL=redis.url,
+            SWITCHBOARD_REDIS_NAMESPACE=NAMESPACE, SWITCHBOARD_KEY_SECRET=secret,
+            SWITCHBOARD_ROUTER_AUTO_TRAIN="false", SWITCHBOARD_TUNING_CHECK_SECONDS="0",
+        )  # fmt: skip
         say(f"starting a gateway (tiers tiny + small, PostgreSQL {pg.name}, redis-server :{redis.port}); log {log}")
-        serve = "import sys; from gateway.cli import main; sys.exit(main(['serve']))"
         started = time.monotonic()
-        proc, url, stop = launch_serve(serve, env, str(tmp), port, log, [])
+        proc, url, stop = launch_serve(SERVE, env, str(tmp), port, log, [])
         say(f"gateway pid {proc.pid} at {url}, healthy after {time.monotonic() - started:.0f}s; "
             f"{args.minutes:g} min of load, a sample every {args.sample_seconds:g}s")  # fmt: skip
         soak = Soak(url, keys, redis, pg, proc.pid, duration, args.sample_seconds, args.concurrency,

@@ -140,7 +140,7 @@ def anchor_dtype(choice: str) -> str:
     prefill there several times faster than fp32), else fp32."""
     if choice != "auto":
         return choice
-    from engines.kernels.cpu_kernels import cpu_flags
+    from engines.kernels.cpu_info import cpu_flags
 
     return "bfloat16" if {"amx_bf16", "avx512_bf16"} & cpu_flags() else "float32"
 

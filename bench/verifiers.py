@@ -35,6 +35,7 @@ from decimal import Decimal
 from pathlib import Path
 
 from bench.common import say  # also checks OMP_NUM_THREADS
+from router_model.evaluate import auc
 
 SLOTS = 64  # sequences in an engine at once
 
@@ -156,12 +157,6 @@ def cascade(small: list[dict], large: list[dict], problems: list[dict], escalate
         spent += cost(s, "small") + (cost(lg, "large") if up else 0)
         right.append((lg if up else s)["answer"] == reference_answer(p["answer"]))
     return mean(right), float(spent / always_large)
-
-
-def auc(labels: list[bool], scores: object) -> float:
-    from sklearn.metrics import roc_auc_score
-
-    return float(roc_auc_score(labels, scores))
 
 
 def accuracy(rows: list[dict], problems: list[dict], key: str) -> float:

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from core.embedder import Embedder, minilm_path
-from engines.kernels.cpu_kernels import cpu_flags
+from engines.kernels.cpu_info import cpu_flags
+from engines.layers.linear import quantize_rows
 
 MAX_WORD_PIECES = 256  # MiniLM's own limit (sentence-transformers' max_seq_length for this model)
 EXACT_FP32_K = (1 << 24) // (127 * 127)  # 1040: longest int8 dot product an fp32 sum holds exactly
@@ -33,12 +34,6 @@ EXACT_FP32_K = (1 << 24) // (127 * 127)  # 1040: longest int8 dot product an fp3
 def int_mm_is_fast() -> bool:
     """Whether `torch._int_mm` has int8 dot-product instructions to run on (AVX-512 VNNI or AMX)."""
     return bool({"avx512_vnni", "amx_int8"} & cpu_flags())
-
-
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per row: (codes int8, scales (rows, 1) fp32)."""
-    scales = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
-    return torch.round(x / scales).to(torch.int8), scales
 
 
 class Int8Linear(nn.Module):

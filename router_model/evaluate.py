@@ -55,6 +55,14 @@ class Evaluation:
     metrics: dict[str, CurveMetrics] = field(default_factory=dict)
 
 
+def auc(labels: Sequence[bool] | np.ndarray, scores: Sequence[float] | np.ndarray) -> float:
+    """ROC AUC of `scores` for `labels` (scikit-learn's); NaN where the labels are all one class."""
+    from sklearn.metrics import roc_auc_score
+
+    y = np.asarray(labels, dtype=bool)
+    return float(roc_auc_score(y, np.asarray(scores))) if 0 < int(y.sum()) < len(y) else math.nan
+
+
 def quality_curve(scores: np.ndarray, small_ok: np.ndarray, large_ok: np.ndarray) -> Curve:
     """Route the k lowest-scored prompts large, for every k between tie groups."""
     scores, small_ok, large_ok = np.asarray(scores, float), np.asarray(small_ok, bool), np.asarray(large_ok, bool)

@@ -8,7 +8,6 @@ version differs from this code's, and one whose model file is not the one its me
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -19,6 +18,7 @@ import numpy as np
 from threadpoolctl import ThreadpoolController
 
 from core.embedder import Embedder
+from engines.checkpoints.fetch import sha256_file
 from router_model.encoder import RouterEncoder
 from router_model.features import FEATURE_VERSION, Messages, featurize
 from router_model.hidden import HiddenSpec
@@ -184,7 +184,7 @@ def save_router(router: Router, directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / f".{MODEL_FILE}.{os.getpid()}"
     joblib.dump({"format": 2, "small": (router.classifier, router.hidden_classifier), "cheaper": router.cheaper}, tmp)
-    router.metadata["model_sha256"] = _sha256(tmp)
+    router.metadata["model_sha256"] = sha256_file(tmp)
     os.replace(tmp, directory / MODEL_FILE)
     write_metadata(router.metadata, directory)
     return directory
@@ -223,18 +223,10 @@ def load_router(directory: Path, embedder: Embedder | None = None) -> Router:
     model = directory / MODEL_FILE
     if not model.exists():
         raise RouterLoadError(f"router at {directory}: {MODEL_FILE} missing")
-    if metadata.get("model_sha256") != _sha256(model):
+    if metadata.get("model_sha256") != sha256_file(model):
         raise RouterLoadError(f"router at {directory}: {MODEL_FILE} is not the model {METADATA_FILE} describes")
     stored = joblib.load(model)
     if isinstance(stored, dict) and stored.get("format") == 2:
         (text, hidden), cheaper = stored["small"], stored["cheaper"]
         return Router(text, metadata, embedder or RouterEncoder(), hidden_classifier=hidden, cheaper=cheaper)
     return Router(stored, metadata, embedder or RouterEncoder())  # a text-only router from before tiers
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()

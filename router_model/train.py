@@ -25,7 +25,7 @@ import numpy as np
 from core.embedder import Embedder
 from router_model.calibrate import DEFAULT_LARGE_SHARE, threshold_for_share
 from router_model.candidates import CANDIDATES, HIDDEN_CANDIDATES
-from router_model.evaluate import apgr, bootstrap_apgr, evaluate_router, metrics_json, quality_curve
+from router_model.evaluate import apgr, auc, bootstrap_apgr, evaluate_router, metrics_json, quality_curve
 from router_model.examples import (
     DEFAULT_HOME,
     Example,
@@ -198,8 +198,8 @@ def _select(
         model = _fit(name, x_train, y, seed)
         held_p = predict_p_small_ok(model, x_held)
         scores[name] = CandidateScore(
-            cv_apgr=_apgr(oof, train), cv_auc=_auc(oof, y),
-            heldout_apgr=_apgr(held_p, heldout), heldout_auc=_auc(held_p, np.array([e.small_ok for e in heldout])),
+            cv_apgr=_apgr(oof, train), cv_auc=auc(y, oof),
+            heldout_apgr=_apgr(held_p, heldout), heldout_auc=auc(np.array([e.small_ok for e in heldout]), held_p),
             heldout_log_loss=_log_loss(held_p, heldout),
         )  # fmt: skip
         fitted[name] = _Family(name, model, held_p)
@@ -223,12 +223,12 @@ def _cheaper_tiers(
     sources = [e.source for e, r in zip(train, rows, strict=True) if r]
     info = {"n": len(t), "ok_rate": round(float(t.mean()), 4)}
     text = _fit(text_name, x_text[rows], t, seed)
-    info["cv_auc_text"] = _json_number(_auc(_out_of_fold(text_name, x_text[rows], t, sources, seed, folds), t))
+    info["cv_auc_text"] = _json_number(auc(t, _out_of_fold(text_name, x_text[rows], t, sources, seed, folds)))
     hidden = None
     if x_hidden is not None:
         hidden = _fit(hidden_name, x_hidden[rows], t, seed)
         info["cv_auc_hidden"] = _json_number(
-            _auc(_out_of_fold(hidden_name, x_hidden[rows], t, sources, seed, folds), t)
+            auc(t, _out_of_fold(hidden_name, x_hidden[rows], t, sources, seed, folds))
         )
     return {"tiny": (text, hidden, info)}
 
@@ -305,12 +305,6 @@ def _apgr(p: np.ndarray, examples: Sequence[Example]) -> float:
     small = np.array([e.small_ok for e in examples])
     large = np.array([e.large_ok for e in examples])
     return apgr(quality_curve(p, small, large), float(small.mean()), float(large.mean()))
-
-
-def _auc(p: np.ndarray, y: np.ndarray) -> float:
-    from sklearn.metrics import roc_auc_score
-
-    return float(roc_auc_score(y, p)) if 0 < int(np.sum(y)) < len(y) else math.nan
 
 
 def _ci(interval: tuple[float, float]) -> list[float | None]:

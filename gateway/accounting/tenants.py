@@ -41,6 +41,10 @@ class TenantError(ValueError):
     """A tenant or key operation that cannot be done; the message says why."""
 
 
+class OperatorOnly(TenantError):
+    """What only the operator's keys may do (create tenants), asked by another tenant's key."""
+
+
 @dataclass(frozen=True)
 class Principal:
     """Who is calling: resolved from a valid key on every request."""
@@ -56,6 +60,11 @@ class Principal:
     def actor(self) -> str:
         """How the audit log names this caller."""
         return f"{self.role}:{self.key_prefix}"
+
+    @property
+    def scope(self) -> int | None:
+        """The one tenant this caller's lists, reports and audit cover; None: every tenant (the operator's)."""
+        return None if self.operator else self.tenant_id
 
     def may_see(self, tenant_id: int) -> bool:
         return self.operator or tenant_id == self.tenant_id
@@ -114,9 +123,18 @@ def _legacy_hash(key: str) -> str:
 
 
 def create_tenant(
-    db: Database, name: str, *, operator: bool = False, role: str = "app", actor: str = "cli"
+    db: Database,
+    name: str,
+    *,
+    operator: bool = False,
+    role: str = "app",
+    actor: str = "cli",
+    by: Principal | None = None,
 ) -> IssuedKey:
-    """A new tenant and its first key (an `app` key unless `role` says otherwise)."""
+    """A new tenant and its first key (an `app` key unless `role` says otherwise); `by`: the API caller, who
+    must hold one of the operator's keys (`OperatorOnly`); the CLI and the tests create as the operator."""
+    if by is not None and not by.operator:
+        raise OperatorOnly("Only the operator's admin keys create tenants.")
     if not _TENANT_NAME.fullmatch(name):
         raise TenantError("tenant names are 1-100 letters, digits, '.', '_' or '-', starting with a letter or digit")
     if role not in ROLES:

@@ -14,7 +14,15 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
 from core import audit
-from gateway.accounting.tenants import TenantError, create_key, create_tenant, list_keys, list_tenants, revoke_key
+from gateway.accounting.tenants import (
+    OperatorOnly,
+    TenantError,
+    create_key,
+    create_tenant,
+    list_keys,
+    list_tenants,
+    revoke_key,
+)
 from gateway.api.auth import AdminPrincipal, visible_tenant
 from gateway.api.deps import DatabaseDep, PipelineDep
 from gateway.api.params import KeyPrefix, TenantFilter, TenantName
@@ -77,19 +85,19 @@ async def engine_stats(pipeline: PipelineDep, _: AdminPrincipal) -> dict[str, di
 
 @router.get("/admin/tenants", response_model=list[TenantOut])
 async def tenants(db: DatabaseDep, principal: AdminPrincipal) -> list[TenantOut]:
-    only = None if principal.operator else principal.tenant_id
+    only = principal.scope
     rows = await anyio.to_thread.run_sync(list_tenants, db, only)
     return [TenantOut(id=t.id, name=t.name, operator=t.is_operator, created_at=t.created_at) for t in rows]
 
 
 @router.post("/admin/tenants", response_model=IssuedKeyOut, status_code=201, responses=documented(400, 409))
 async def new_tenant(body: NewTenant, db: DatabaseDep, principal: AdminPrincipal) -> IssuedKeyOut:
-    if not principal.operator:
-        raise APIError(403, "Only the operator's admin keys create tenants.", code="insufficient_role")
     try:
         issued = await anyio.to_thread.run_sync(
-            lambda: create_tenant(db, body.name, operator=body.operator, actor=principal.actor)
+            lambda: create_tenant(db, body.name, operator=body.operator, actor=principal.actor, by=principal)
         )
+    except OperatorOnly as exc:
+        raise APIError(403, str(exc), code="insufficient_role") from None
     except TenantError as exc:
         raise APIError(409 if "exists" in str(exc) else 422, str(exc), param="name", code="invalid_tenant") from None
     return IssuedKeyOut(**issued.__dict__)
@@ -113,7 +121,7 @@ async def new_key(tenant: TenantName, body: NewKey, db: DatabaseDep, principal: 
 
 @router.delete("/admin/keys/{prefix}", status_code=204, responses=documented(404))
 async def revoke(prefix: KeyPrefix, db: DatabaseDep, principal: AdminPrincipal) -> None:
-    scope = None if principal.operator else principal.tenant_id
+    scope = principal.scope
     try:
         await anyio.to_thread.run_sync(lambda: revoke_key(db, prefix, actor=principal.actor, tenant_id=scope))
     except TenantError as exc:
@@ -127,6 +135,6 @@ async def audit_log(
     if tenant is not None:
         tenant_id: int | None = (await anyio.to_thread.run_sync(visible_tenant, db, principal, tenant)).id
     else:
-        tenant_id = None if principal.operator else principal.tenant_id
+        tenant_id = principal.scope
     rows = await anyio.to_thread.run_sync(audit.entries, db, tenant_id, max(1, min(limit, 1000)))
     return [AuditOut.model_validate(r, from_attributes=True) for r in rows]

@@ -28,7 +28,7 @@ GROUPS = ("day", "tier", "model")
 async def _scope(db: Database, principal: Principal, tenant: str | None) -> list[int] | None:
     if tenant is not None:
         return [(await anyio.to_thread.run_sync(visible_tenant, db, principal, tenant)).id]
-    return None if principal.operator else [principal.tenant_id]
+    return None if principal.scope is None else [principal.scope]
 
 
 def _groups(group_by: str) -> tuple[Any, ...]:

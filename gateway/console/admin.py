@@ -15,6 +15,7 @@ from core.db.database import Database
 from core.db.models import Tenant
 from gateway.accounting.tenants import (
     ROLES,
+    OperatorOnly,
     Principal,
     TenantError,
     create_key,
@@ -37,7 +38,7 @@ from policies.store import PolicyError, PolicyStore
 async def _tenants_page(
     request: Request, db: Database, principal: Principal, status: int = 200, **context: Any
 ) -> Response:
-    only = None if principal.operator else principal.tenant_id
+    only = principal.scope
     rows = await anyio.to_thread.run_sync(list_tenants, db, only)
     return page(request, "tenants.html", status, tenants=rows, **context)
 
@@ -49,13 +50,13 @@ async def tenants(request: Request, db: DatabaseDep, principal: AdminUser) -> Re
 
 @router.post("/tenants")
 async def new_tenant(request: Request, db: DatabaseDep, principal: AdminUser, form: Posted) -> Response:
-    if not principal.operator:
-        raise APIError(403, "Only the operator's admin keys create tenants.")
     name, operator = form.get("name", "").strip(), form.get("operator") == "on"
     try:
         issued = await anyio.to_thread.run_sync(
-            lambda: create_tenant(db, name, operator=operator, actor=principal.actor)
+            lambda: create_tenant(db, name, operator=operator, actor=principal.actor, by=principal)
         )
+    except OperatorOnly as exc:
+        raise APIError(403, str(exc)) from None
     except TenantError as exc:
         return await _tenants_page(request, db, principal, 422, error=str(exc), name=name)
     # Rendered, not redirected: the new key is shown this once and must not end up in a URL.

@@ -19,11 +19,9 @@ async def audit_log(request: Request, db: DatabaseDep, principal: AdminUser, ten
     if tenant:
         tenant_id: int | None = (await visible(db, principal, tenant)).id
     else:
-        tenant_id = None if principal.operator else principal.tenant_id
+        tenant_id = principal.scope
     rows = await anyio.to_thread.run_sync(audit.entries, db, tenant_id, AUDIT_LIMIT)
-    visible_tenants = await anyio.to_thread.run_sync(
-        list_tenants, db, None if principal.operator else principal.tenant_id
-    )
+    visible_tenants = await anyio.to_thread.run_sync(list_tenants, db, principal.scope)
     names = {t.id: t.name for t in visible_tenants}
     entries = [(e, names.get(e.tenant_id, ""), changes(e.before, e.after)) for e in rows]
     return page(

@@ -53,7 +53,7 @@ async def _finance_scope(
     if tenant:
         ids = [(await visible(db, principal, tenant)).id]
     else:
-        ids = None if principal.operator else [principal.tenant_id]
+        ids = None if principal.scope is None else [principal.scope]
     return _Scope(tenant, start, end, ids, first, last)
 
 
@@ -68,9 +68,7 @@ async def finance(
     ids, first, last = scope.ids, scope.first, scope.last
     costs = await anyio.to_thread.run_sync(reports.costs, db, ids, first, last, ("day", "tier"))
     savings = await anyio.to_thread.run_sync(reports.savings, db, ids, first, last)
-    visible_tenants = await anyio.to_thread.run_sync(
-        list_tenants, db, None if principal.operator else principal.tenant_id
-    )
+    visible_tenants = await anyio.to_thread.run_sync(list_tenants, db, principal.scope)
     query = {k: v for k, v in (("tenant", scope.tenant), ("start", scope.start), ("end", scope.end)) if v}
     return page(
         request,
