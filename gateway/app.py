@@ -21,11 +21,13 @@ from engines.protocol import TierEngine
 from gateway.accounting.ledger import Ledger, spool_path
 from gateway.accounting.metrics import Metrics
 from gateway.accounting.tenants import use_key_secret
-from gateway.api import admin, embeddings, finance, health, openai
+from gateway.api import admin, embeddings, finance, health, models
 from gateway.api import metrics as metrics_api
 from gateway.api import policies as policy_api
 from gateway.api import router as router_api
 from gateway.api import tuning as tuning_api
+from gateway.api.chat import router as chat_api
+from gateway.api.completions import router as completions_api
 from gateway.api.deps import AppConfig, Services, app_config, running_pipeline, set_config, set_services
 from gateway.cache.exact import ResponseCache
 from gateway.cache.semantic import SemanticCache
@@ -50,7 +52,9 @@ log = logging.getLogger(__name__)
 
 # In this order: the OpenAI API first; the console's pages last.
 ROUTERS: tuple[APIRouter, ...] = (
-    openai.router,
+    chat_api.router,
+    completions_api.router,
+    models.router,
     embeddings.router,
     admin.router,
     policy_api.router,

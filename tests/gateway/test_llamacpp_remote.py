@@ -253,7 +253,7 @@ def test_killed_mid_stream_falls_back_then_the_breaker_closes(setup: Setup) -> N
     ids: list[str] = []
 
     # 1. A long answer streams from the remote; the server is SIGKILLed once its first piece arrives. The client
-    #    gets the text so far, then an error event (gateway/api/openai.py `_stream`: an error after the stream
+    #    gets the text so far, then an error event (gateway/api/serving.py `stream`: an error after the stream
     #    started), never a finish; the row bills what ran, on the tier it ran on.
     pieces: list[str] = []
     with client.chat.completions.with_streaming_response.create(

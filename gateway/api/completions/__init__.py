@@ -1,0 +1,3 @@
+"""OpenAI's (legacy) completions, as a room of its own: the route (`router`) and its answers' shapes (`serving`)."""
+
+__all__ = ["router", "serving"]
