@@ -127,7 +127,7 @@ def _router_train(args: argparse.Namespace) -> int:
     else:
         from router_model.label import SHIPPED_LABELS as labels
     if args.from_logs:  # the shipped labels (if any) and the live ones, as one file kept beside the router
-        from gateway.routing.shadow import labels_path
+        from gateway.routing.shadow_rows import labels_path
         from router_model.examples import merge_label_files
 
         live = labels_path(load_settings().home_dir)

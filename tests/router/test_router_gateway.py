@@ -36,7 +36,7 @@ from gateway.accounting.tenants import authenticate, create_tenant, tenant_by_na
 from gateway.api.deps import app_services, running_pipeline
 from gateway.app import create_app
 from gateway.cli import main
-from gateway.routing.shadow import LABELS_FILE
+from gateway.routing.shadow_rows import LABELS_FILE
 from live import LiveServer, serve_gateway, start_server
 from policies.policy import Policy, RouterSettings
 from policies.tune_prompts import tenant_prompts
@@ -458,7 +458,7 @@ def test_a_new_tenant_s_first_verdicts_are_drawn_at_the_warm_up_share(gateway: G
 def test_a_tiny_answer_is_judged_and_counted_for_its_tier(gateway: Gateway) -> None:
     """Shadow runs take tiny-served answers too: the row says which tier served and keeps its verdict
     under that tier's name (it trains no small-tier label), and the verdict counts for tiny."""
-    from gateway.routing.shadow import ShadowJob
+    from gateway.routing.shadow_rows import ShadowJob
 
     name, key, tenant_id = gateway.tenant(shadow_share=1.0)
     key_id = authenticate(gateway.live.db, key).key_id
