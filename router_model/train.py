@@ -227,9 +227,7 @@ def _cheaper_tiers(
     hidden = None
     if x_hidden is not None:
         hidden = _fit(hidden_name, x_hidden[rows], t, seed)
-        info["cv_auc_hidden"] = _json_number(
-            auc(t, _out_of_fold(hidden_name, x_hidden[rows], t, sources, seed, folds))
-        )
+        info["cv_auc_hidden"] = _json_number(auc(t, _out_of_fold(hidden_name, x_hidden[rows], t, sources, seed, folds)))
     return {"tiny": (text, hidden, info)}
 
 
