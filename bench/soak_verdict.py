@@ -34,7 +34,7 @@ BAD_CASES: dict[str, tuple[Any, dict[str, str], bool, int]] = {
     "malformed_json": (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"', {}, True, 400),
     "refused_field": ({"model": "tiny", "messages": HI, "tools": TOOLS}, {}, True, 400),
     "logprobs": ({"model": "tiny", "messages": HI, "logprobs": True}, {}, True, 400),
-    "wrong_type": ({"model": "tiny", "messages": HI, "max_tokens": "ten"}, {}, True, 422),
+    "wrong_type": ({"model": "tiny", "messages": HI, "max_tokens": "ten"}, {}, True, 400),
     "unknown_model": ({"model": "huge", "messages": HI}, {}, True, 404),
     "no_key": ({"model": "tiny", "messages": HI}, {}, False, 401),
     "content_type": (b'{"model": "tiny", "messages": []}', {"content-type": "text/plain"}, True, 400),

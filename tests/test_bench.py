@@ -301,7 +301,7 @@ def test_soak_counts_ledger_rows_excused_refusals_and_growth(bench_module: Calla
         call("cancel", "soak-open", 3, 4, 200, request_id="b", note="closed"),  # abandoned mid-stream: billed
         call("stream", "soak-main", 5, 6, 200, request_id="c"),
         call("budget", "soak-tight", 7, 8, 429, code="insufficient_quota"),  # refused: no row
-        call("bad:wrong_type", "soak-main", 9, 9.1, 422, code="invalid_value"),
+        call("bad:wrong_type", "soak-main", 9, 9.1, 400, code="invalid_value"),
         call("hit", "soak-main", 105, 105.1, 503, code="budget_unavailable"),  # Redis down: excused
         call("hit", "soak-main", 130, 130.1, 503, code="budget_unavailable"),  # 20 s after it came back: not
         call("hit", "soak-open", 106, 106.1, 503, code="budget_unavailable"),  # no limits to check: not

@@ -28,7 +28,7 @@ from gateway.api.deps import DatabaseDep, PipelineDep
 from gateway.api.params import KeyPrefix, TenantFilter, TenantName
 from gateway.http.errors import APIError, documented
 
-router = APIRouter(prefix="/v1", tags=["admin"], responses=documented(401, 403, 413, 422, 503))
+router = APIRouter(prefix="/v1", tags=["admin"], responses=documented(400, 401, 403, 413, 422, 503))
 
 
 class TenantOut(BaseModel):

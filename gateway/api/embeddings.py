@@ -13,7 +13,7 @@ from gateway.api.deps import EmbeddingsDep
 from gateway.http.errors import documented
 from gateway.http.schemas import Embedding, EmbeddingList, EmbeddingRequest, EmbeddingUsage
 
-router = APIRouter(prefix="/v1", tags=["openai"], responses=documented(401, 413, 422, 503))
+router = APIRouter(prefix="/v1", tags=["openai"], responses=documented(400, 401, 413, 503))
 
 
 @router.post("/embeddings", response_model=EmbeddingList, responses=documented(400, 403, 404, 429))

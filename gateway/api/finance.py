@@ -20,7 +20,7 @@ from gateway.api.deps import DatabaseDep
 from gateway.api.params import IsoDate, TenantFilter
 from gateway.http.errors import APIError, documented
 
-router = APIRouter(prefix="/v1", tags=["finance"], responses=documented(401, 413, 422, 503))
+router = APIRouter(prefix="/v1", tags=["finance"], responses=documented(400, 401, 413, 422, 503))
 
 GROUPS = ("day", "tier", "model")
 

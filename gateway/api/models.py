@@ -14,7 +14,7 @@ from gateway.routing.stage import AUTO
 
 __all__ = ["router"]
 
-router = APIRouter(prefix="/v1", tags=["openai"], responses=documented(401, 413, 422, 503))
+router = APIRouter(prefix="/v1", tags=["openai"], responses=documented(400, 401, 413, 503))
 
 
 @router.get("/models", response_model=ModelList)

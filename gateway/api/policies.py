@@ -25,7 +25,9 @@ from policies.policy import Policy
 from policies.store import PolicyError
 
 router = APIRouter(
-    prefix="/v1/admin/tenants/{tenant}/policy", tags=["policies"], responses=documented(401, 403, 404, 413, 422, 503)
+    prefix="/v1/admin/tenants/{tenant}/policy",
+    tags=["policies"],
+    responses=documented(400, 401, 403, 404, 413, 422, 503),
 )
 
 

@@ -13,7 +13,7 @@ from gateway.api.auth import AdminPrincipal
 from gateway.api.deps import PipelineDep
 from gateway.http.errors import documented
 
-router = APIRouter(prefix="/v1", tags=["admin"], responses=documented(401, 403, 413, 422, 503))
+router = APIRouter(prefix="/v1", tags=["admin"], responses=documented(400, 401, 403, 413, 503))
 
 
 class TierVerdicts(BaseModel):

@@ -54,13 +54,14 @@ class ErrorResponse(BaseModel):
 
 
 _DESCRIPTIONS = {
-    400: "A request we cannot serve as asked (unparseable JSON, context too long, unsupported field)",
+    400: "A request we cannot serve as asked (unparseable JSON, a field that does not fit the schema: `param` names"
+    " it, context too long, unsupported field)",
     401: "A missing, unknown or revoked API key",
     403: "A key without the endpoint's role, or a tier the tenant's policy does not allow",
     404: "An unknown model, or a tenant or key this key cannot see",
     409: "A conflict with the current state (a name taken, a concurrent change)",
     413: "A body over `max_request_bytes`",
-    422: "A body or parameter that does not fit the schema; `param` names the field",
+    422: "A policy, or an admin's value, that is well formed but not valid here; `param` names the field",
     429: "An exhausted budget or a rate limit",
     503: "Not reachable right now, retry shortly: the model's engine (`engine_unavailable`), the budget counters"
     " (`budget_unavailable`), the database (`database_unavailable`) or, on a first start, the router `auto` needs"
@@ -122,17 +123,32 @@ def from_budget(exc: BudgetError) -> APIError:
     return APIError(429, exc.message, code="insufficient_quota", type="insufficient_quota")
 
 
+Shape = Callable[[APIError], dict[str, Any]]  # an API's own error body (Anthropic's, under /v1/messages)
+
+
+def shape_errors(app: FastAPI, prefix: str, shape: Shape) -> None:
+    """Errors on paths under `prefix` leave in `shape` instead of OpenAI's (same status and headers)."""
+    app.state.error_shapes = [*getattr(app.state, "error_shapes", []), (prefix, shape)]
+
+
+def _render(request: Request, exc: APIError) -> JSONResponse:
+    for prefix, shape in getattr(request.app.state, "error_shapes", ()):
+        if request.url.path.startswith(prefix):
+            return JSONResponse(shape(exc), status_code=exc.status, headers=exc.headers)
+    return exc.response()
+
+
 def install(app: FastAPI, on_refusal: Callable[[int, str | None], None] | None = None) -> None:
     """Answer every error in OpenAI's shape; `on_refusal(status, code)` hears each refusal where it leaves (the
     metrics count the budget and rate-limit 429s)."""
 
     async def api_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, APIError)
-        return _refusal(exc, on_refusal)
+        return _refusal(request, exc, on_refusal)
 
     async def budget_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, BudgetError)
-        return _refusal(from_budget(exc), on_refusal)
+        return _refusal(request, from_budget(exc), on_refusal)
 
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(BudgetError, budget_error)
@@ -143,25 +159,22 @@ def install(app: FastAPI, on_refusal: Callable[[int, str | None], None] | None =
     app.add_exception_handler(Exception, _unexpected)
 
 
-def _refusal(exc: APIError, on_refusal: Callable[[int, str | None], None] | None) -> JSONResponse:
+def _refusal(request: Request, exc: APIError, on_refusal: Callable[[int, str | None], None] | None) -> JSONResponse:
     if on_refusal is not None:
         on_refusal(exc.status, exc.code)
-    return exc.response()
+    return _render(request, exc)
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     errors = exc.errors()
     if any(e.get("type") == "json_invalid" for e in errors):
-        return invalid("We could not parse the JSON body of your request. It must be valid JSON.").response()
+        return _render(request, invalid("We could not parse the JSON body of your request. It must be valid JSON."))
     if any(e.get("loc") == ("body",) and isinstance(e.get("input"), bytes) for e in errors):
         # FastAPI hands over the raw bytes when the content type is not JSON: say so rather than "not an object"
         sent = request.headers.get("content-type") or "none"
-        return APIError(
-            400,
-            f"The request body must be JSON sent with Content-Type: application/json (this one's was {sent[:100]}).",
-            code="unsupported_content_type",
-        ).response()
+        message = f"The request body must be JSON sent with Content-Type: application/json (this one's: {sent[:100]})."
+        return _render(request, APIError(400, message, code="unsupported_content_type"))
     first = errors[0] if errors else {}
     loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_type_tag(p)]
     param = ".".join(loc) or None
@@ -171,7 +184,7 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
         message = f"{param or 'body'}: {first.get('msg', 'invalid value')}"
         if len(errors) > 1:
             message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
-    return APIError(422, message, param=param, code="invalid_value").response()
+    return _render(request, APIError(400, message, param=param, code="invalid_value"))  # 400, as OpenAI and Anthropic
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
@@ -185,15 +198,16 @@ def _is_type_tag(part: object) -> bool:
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     if exc.status_code == 413:  # a chunked body that outgrew the limit (gateway.http.body_limit)
-        return APIError(413, "The request body is too large.", code="request_too_large").response()
+        return _render(request, APIError(413, "The request body is too large.", code="request_too_large"))
     if exc.status_code == 400 and exc.detail == _UNPARSEABLE:  # bad UTF-8, nesting too deep for the parser
-        return invalid("We could not parse the JSON body of your request. It must be valid JSON in UTF-8.").response()
+        message = "We could not parse the JSON body of your request. It must be valid JSON in UTF-8."
+        return _render(request, invalid(message))
     headers = getattr(exc, "headers", None)
     if exc.status_code == 405:
         headers = {"allow": ", ".join(_allowed_methods(request))}
     messages = {404: "Not found.", 405: "Method not allowed."}
     message = exc.detail if isinstance(exc.detail, str) and exc.detail else messages.get(exc.status_code, "Error.")
-    return APIError(exc.status_code, message, headers=headers).response()
+    return _render(request, APIError(exc.status_code, message, headers=headers))
 
 
 _UNPARSEABLE = "There was an error parsing the body"  # FastAPI's words when reading the JSON body failed
@@ -211,12 +225,11 @@ def _allowed_methods(request: Request) -> list[str]:
 async def _database_unreachable(request: Request, exc: Exception) -> JSONResponse:
     # An outage, not a bug: a 503 the client may retry, and one log line rather than a stack per request.
     log.warning("database unreachable (%s) on %s %s", type(exc).__name__, request.method, request.url.path)
-    return APIError(
-        503, "The database is unreachable right now; retry shortly.", code="database_unavailable", headers=RETRY_HEADERS
-    ).response()
+    message = "The database is unreachable right now; retry shortly."
+    return _render(request, APIError(503, message, code="database_unavailable", headers=RETRY_HEADERS))
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     # Our log formatters write the stack and the exception types, never their messages (logging_setup).
     log.error("unhandled %s on %s %s", type(exc).__name__, request.method, request.url.path, exc_info=exc)
-    return APIError(500, "The server had an error while processing your request.").response()
+    return _render(request, APIError(500, "The server had an error while processing your request."))

@@ -3,7 +3,8 @@
 The auth dependency reads the `Authorization` header itself (so a missing or malformed one is a 401
 in OpenAI's shape, not FastAPI's), which FastAPI would document as an optional header parameter of
 every route. Here it becomes what it is: HTTP bearer authentication, required by every route that
-reads it. Error responses are declared by the routes themselves (`gateway.http.errors.documented`).
+reads it. Error responses are declared by the routes themselves (`gateway.http.errors.documented`); FastAPI's
+own 422 is not one of them.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def _bearer_auth(doc: dict[str, Any]) -> dict[str, Any]:
     secured = False
     for operations in doc.get("paths", {}).values():
         for operation in operations.values():
+            _drop_fastapi_422(operation)
             params = operation.get("parameters", [])
             kept = [p for p in params if not (p.get("in") == "header" and p.get("name", "").lower() == "authorization")]
             if len(kept) == len(params):
@@ -50,3 +52,11 @@ def _bearer_auth(doc: dict[str, Any]) -> dict[str, Any]:
         schemes = doc.setdefault("components", {}).setdefault("securitySchemes", {})
         schemes[BEARER] = {"type": "http", "scheme": "bearer", "description": "an API key: `sk-sb-…`"}
     return doc
+
+
+def _drop_fastapi_422(operation: dict[str, Any]) -> None:
+    """FastAPI documents a 422 `HTTPValidationError` on every route with a body or parameters; a body that does not
+    fit the schema is a 400 in OpenAI's error shape here (`gateway.http.errors`)."""
+    responses = operation.get("responses", {})
+    if "HTTPValidationError" in str(responses.get("422", {})):
+        del responses["422"]

@@ -126,12 +126,38 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+MAX_SCHEMA_DEPTH = 64  # nested objects and arrays in a JSON schema: ~30 levels of properties, past any real one
+MAX_SCHEMA_NODES = 20_000  # values in one schema, at most
+
+
+def bounded_schema(schema: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Refuse a schema nested too deep or too large before anything walks it recursively (the grammar compiler,
+    the tool renderer, json.dumps): 300 levels raised RecursionError there, a 500. Walked with a stack here."""
+    if schema is None:
+        return None
+    stack: list[tuple[Any, int]] = [(schema, 1)]
+    nodes = 0
+    while stack:
+        value, depth = stack.pop()
+        nodes += 1
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"a schema may nest at most {MAX_SCHEMA_DEPTH} objects and arrays deep")
+        if nodes > MAX_SCHEMA_NODES:
+            raise ValueError(f"a schema may hold at most {MAX_SCHEMA_NODES} values")
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return schema
+
+
+Schema = Annotated[dict[str, Any], AfterValidator(bounded_schema)]
+
+
 class FunctionDef(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
     name: Annotated[Text, Field(min_length=1, max_length=MAX_TOOL_NAME, pattern=r"^[A-Za-z0-9_.\-]+$")]
     description: Text | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema; none: any JSON object
+    parameters: Schema | None = None  # a JSON schema; none: any JSON object
     strict: bool | None = None  # always strict here: calls are constrained to the schema
 
 
@@ -163,7 +189,7 @@ class JsonSchemaFormat(BaseModel):
 
     name: Text = Field("response", min_length=1, max_length=64)
     description: Text | None = None
-    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    schema_: Schema = Field(default_factory=dict, alias="schema")
     strict: bool | None = None  # always strict here: the output is constrained to the schema
 
 

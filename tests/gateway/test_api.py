@@ -177,16 +177,16 @@ def test_bad_keys_are_401(live_server: LiveServer) -> None:
 @pytest.mark.parametrize(
     ("body", "status", "param"),
     [
-        ({"model": "small"}, 422, "messages"),
-        ({"model": "small", "messages": []}, 422, "messages"),
-        ({"model": "small", "messages": MESSAGES, "temperature": 5}, 422, "temperature"),
-        ({"model": "small", "messages": MESSAGES, "max_tokens": 0}, 422, "max_tokens"),
-        ({"model": "small", "messages": MESSAGES, "max_tokens": "many"}, 422, "max_tokens"),
-        ({"model": "small", "messages": [{"role": "wizard", "content": "hi"}]}, 422, "messages.0.role"),
-        ({"model": "small", "messages": "hello"}, 422, "messages"),
-        ({"model": "small", "messages": MESSAGES, "stop": ["a"] * 17}, 422, "stop"),
+        ({"model": "small"}, 400, "messages"),
+        ({"model": "small", "messages": []}, 400, "messages"),
+        ({"model": "small", "messages": MESSAGES, "temperature": 5}, 400, "temperature"),
+        ({"model": "small", "messages": MESSAGES, "max_tokens": 0}, 400, "max_tokens"),
+        ({"model": "small", "messages": MESSAGES, "max_tokens": "many"}, 400, "max_tokens"),
+        ({"model": "small", "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
+        ({"model": "small", "messages": "hello"}, 400, "messages"),
+        ({"model": "small", "messages": MESSAGES, "stop": ["a"] * 17}, 400, "stop"),
         ({"model": "small", "messages": MESSAGES, "n": 9}, 400, "n"),
-        ({"model": "small", "messages": MESSAGES, "tools": [{"type": "function"}]}, 422, "tools.0.function"),
+        ({"model": "small", "messages": MESSAGES, "tools": [{"type": "function"}]}, 400, "tools.0.function"),
         ({"model": "small", "messages": MESSAGES, "tool_choice": "required"}, 400, "tool_choice"),
         ({"model": "small", "messages": MESSAGES, "audio": {"voice": "alloy"}}, 400, "audio"),
         ({"model": "small", "messages": MESSAGES, "max_tokens": 9000}, 400, "messages"),
@@ -205,8 +205,8 @@ def test_malformed_bodies_are_4xx_never_500(live_server: LiveServer, key: str) -
     headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
     assert_openai_error(httpx.post(url, content=b'{"model": "small", "messages": [', headers=headers), 400)
     assert_openai_error(httpx.post(url, content=b"\xff\xfe not json", headers=headers), 400)
-    assert_openai_error(httpx.post(url, content=b"[1, 2]", headers=headers), 422)
-    assert_openai_error(httpx.post(url, content=b"", headers=headers), 422)
+    assert_openai_error(httpx.post(url, content=b"[1, 2]", headers=headers), 400)
+    assert_openai_error(httpx.post(url, content=b"", headers=headers), 400)
     huge = json.dumps({"model": "small", "messages": [{"role": "user", "content": "x" * 300_000}]})
     assert_openai_error(httpx.post(url, content=huge, headers=headers), 413, code="request_too_large")
 
@@ -221,7 +221,7 @@ def test_malformed_bodies_are_4xx_never_500(live_server: LiveServer, key: str) -
     assert_openai_error(httpx.get(url, headers=headers), 405)
     completions = f"{live_server.base_url}/v1/completions"
     assert_openai_error(
-        httpx.post(completions, json={"model": "small", "prompt": ""}, headers=headers), 422, param="prompt"
+        httpx.post(completions, json={"model": "small", "prompt": ""}, headers=headers), 400, param="prompt"
     )
     assert_openai_error(httpx.post(completions, json={"model": "small", "prompt": [1, 10**9]}, headers=headers), 400)
     assert_openai_error(
@@ -421,12 +421,12 @@ def test_response_format_json_schema_and_regex(live_server: LiveServer, client: 
 
 
 def test_bad_response_formats_are_4xx_naming_the_field(client: openai.OpenAI) -> None:
-    # what the grammar compiler refuses is a 400; what the request's shape gets wrong a 422 (as for any field)
+    # what the grammar compiler refuses and what the request's shape gets wrong are both 400s naming the field
     for fmt, status, fragment in (
         ({"type": "regex", "regex": "(unclosed"}, 400, "regex"),
         ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}, 400, "schema"),
-        ({"type": "json_schema"}, 422, "json_schema"),
-        ({"type": "xml"}, 422, "type"),
+        ({"type": "json_schema"}, 400, "json_schema"),
+        ({"type": "xml"}, 400, "type"),
     ):
         with pytest.raises(openai.APIStatusError) as err:
             client.chat.completions.create(model="small", messages=MESSAGES, extra_body={"response_format": fmt})

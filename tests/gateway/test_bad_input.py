@@ -101,13 +101,13 @@ def test_invalid_utf8_is_400(http: httpx.Client, content: bytes) -> None:
     openai_error(http.post(CHAT, content=content), 400)
 
 
-def test_a_lone_surrogate_is_422_not_a_tokenizer_crash(http: httpx.Client) -> None:
+def test_a_lone_surrogate_is_400_not_a_tokenizer_crash(http: httpx.Client) -> None:
     body = b'{"model": "small", "messages": [{"role": "user", "content": "a \\ud800 b"}]}'
-    openai_error(http.post(CHAT, content=body), 422, param="messages.0.content")
+    openai_error(http.post(CHAT, content=body), 400, param="messages.0.content")
     # Encoded as bytes (CESU-8) it is invalid UTF-8 that Python's JSON reader lets through as the same text.
     encoded = b'{"model": "small", "messages": [{"role": "user", "content": "a \xed\xa0\x80 b"}]}'
-    openai_error(http.post(CHAT, content=encoded), 422, param="messages.0.content")
-    openai_error(http.post(COMPLETIONS, content=b'{"model": "small", "prompt": "\\udfff"}'), 422, param="prompt")
+    openai_error(http.post(CHAT, content=encoded), 400, param="messages.0.content")
+    openai_error(http.post(COMPLETIONS, content=b'{"model": "small", "prompt": "\\udfff"}'), 400, param="prompt")
 
 
 @pytest.mark.parametrize(
@@ -151,8 +151,8 @@ def test_a_json_body_without_a_content_type_is_400(live: LiveServer, http: httpx
 
 
 @pytest.mark.parametrize("content", [b"", b"[1, 2]", b'"hello"', b"42", b"null", b"true"])
-def test_an_empty_body_or_json_that_is_not_an_object_is_422(http: httpx.Client, content: bytes) -> None:
-    error = openai_error(http.post(CHAT, content=content), 422)
+def test_an_empty_body_or_json_that_is_not_an_object_is_400(http: httpx.Client, content: bytes) -> None:
+    error = openai_error(http.post(CHAT, content=content), 400)
     assert error["message"] == "The request body must be a JSON object."
 
 
@@ -161,15 +161,15 @@ def test_an_empty_body_or_json_that_is_not_an_object_is_422(http: httpx.Client, 
     [
         ({"n": 10**12}, 400, "n"),
         ({"n": 10**40}, 400, "n"),  # beyond 64 bits
-        ({"n": 0}, 422, "n"),
-        ({"max_tokens": -5}, 422, "max_tokens"),
-        ({"max_tokens": 2**40}, 422, "max_tokens"),  # more than a ledger column holds
-        ({"max_completion_tokens": -1}, 422, "max_completion_tokens"),
-        ({"max_tokens": "5"}, 422, "max_tokens"),  # a string is not a number
-        ({"temperature": True}, 422, "temperature"),  # nor is a boolean
-        ({"seed": 2**64}, 422, "seed"),  # torch seeds from 64 bits
-        ({"stream": "yes"}, 422, "stream"),
-        ({"messages": [{"role": "user", "content": 5}]}, 422, "messages.0.content"),
+        ({"n": 0}, 400, "n"),
+        ({"max_tokens": -5}, 400, "max_tokens"),
+        ({"max_tokens": 2**40}, 400, "max_tokens"),  # more than a ledger column holds
+        ({"max_completion_tokens": -1}, 400, "max_completion_tokens"),
+        ({"max_tokens": "5"}, 400, "max_tokens"),  # a string is not a number
+        ({"temperature": True}, 400, "temperature"),  # nor is a boolean
+        ({"seed": 2**64}, 400, "seed"),  # torch seeds from 64 bits
+        ({"stream": "yes"}, 400, "stream"),
+        ({"messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content"),
     ],
 )
 def test_out_of_range_and_mistyped_fields_are_4xx_naming_the_field(
@@ -182,11 +182,11 @@ def test_a_hundred_thousand_messages_are_refused_at_once(http: httpx.Client) -> 
     body = json.dumps({"model": "small", "messages": [{"role": "user", "content": ""}] * 100_000}).encode()
     assert len(body) < MAX_REQUEST_BYTES  # within the body limit: the schema has to refuse it
     before = cpu_seconds()
-    openai_error(http.post(CHAT, content=body), 422, param="messages")
+    openai_error(http.post(CHAT, content=body), 400, param="messages")
     # Templating and tokenizing them all before the context check took seconds of CPU.
     assert cpu_seconds() - before < 1.0
     prompts = json.dumps({"model": "small", "prompt": ["hi"] * 100_000}).encode()
-    openai_error(http.post(COMPLETIONS, content=prompts), 422, param="prompt")
+    openai_error(http.post(COMPLETIONS, content=prompts), 400, param="prompt")
 
 
 def test_vanishing_temperature_and_top_p_are_served_greedily(http: httpx.Client) -> None:
@@ -210,7 +210,7 @@ def test_refused_requests_write_no_usage_rows(live: LiveServer, http: httpx.Clie
         http.post(CHAT, json={"model": "small", "messages": MESSAGES, "n": 10**12}),
         http.post(COMPLETIONS, content=b'{"model": "small", "prompt": "\\udfff"}'),
     ]
-    assert [r.status_code for r in refused] == [400, 400, 400, 422]
+    assert [r.status_code for r in refused] == [400, 400, 400, 400]
     again = http.post(CHAT, json={"model": "small", "messages": MESSAGES, "max_tokens": 1})
     assert len(live.wait_for_usage(again.json()["id"])) == 1
     assert len(live.usage_rows(tenant_id=row.tenant_id)) == before + 1  # the served one, nothing refused
@@ -236,5 +236,37 @@ def test_text_postgresql_cannot_store_is_422_before_it_reaches_sql(live: LiveSer
         ("GET", "/v1/admin/audit?tenant=a%00b"),
         ("DELETE", "/v1/admin/keys/sk-sb-%00%00%00%00%00%00%00%00%00%00"),
     ]:  # refused by the tenant name's (or key prefix's) pattern
-        openai_error(httpx.request(method, f"{live.base_url}{path}", headers=admin), 422)
+        openai_error(httpx.request(method, f"{live.base_url}{path}", headers=admin), 400)
     assert httpx.put(policy, json={"note": "fine"}, headers=admin).status_code == 200
+
+
+def _nested(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def test_a_schema_nested_300_deep_is_a_400_on_every_wire_and_the_gateway_stays_up(
+    live: LiveServer, http: httpx.Client
+) -> None:
+    """It raised RecursionError (a 500) where the tools were rendered; now the depth is checked before anything
+    walks it, with a stack, not recursion."""
+    deep, fine = _nested(300), _nested(20)
+    tool = {"type": "function", "function": {"name": "f", "parameters": deep}}
+    asks = [
+        (CHAT, {"model": "small", "messages": MESSAGES, "tools": [tool]}, "tools.0.function.parameters"),
+        (CHAT, {"model": "small", "messages": MESSAGES, "response_format": {"type": "json_schema",
+         "json_schema": {"name": "x", "schema": deep}}}, "response_format.json_schema.schema"),
+        ("/v1/responses", {"model": "small", "input": "hi", "tools": [{"type": "function", "name": "f",
+         "parameters": deep}]}, "tools[0].parameters"),
+        ("/v1/responses", {"model": "small", "input": "hi", "text": {"format": {"type": "json_schema", "name": "x",
+         "schema": deep}}}, "text.format.schema"),
+    ]  # fmt: skip
+    for path, body, param in asks:
+        error = openai_error(http.post(path, json=body), 400, param=param)
+        assert "nest at most" in error["message"]
+    assert httpx.get(f"{live.base_url}/healthz", timeout=30).status_code == 200
+    shallow = {"model": "small", "messages": MESSAGES, "max_tokens": 4,
+               "tools": [{"type": "function", "function": {"name": "f", "parameters": fine}}]}  # fmt: skip
+    assert http.post(CHAT, json=shallow).status_code == 200

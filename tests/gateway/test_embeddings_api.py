@@ -82,8 +82,8 @@ def test_embeddings_are_held_to_rate_limits(live: LiveServer) -> None:
         ({"model": "minilm", "input": [[1, 2, 99999999]]}, 400, "input[0]"),
         ({"model": "text-embedding-3-small", "input": "x"}, 404, "model"),
         ({"model": "small", "input": "x"}, 404, "model"),  # a chat tier
-        ({"model": "minilm", "input": []}, 422, "input"),
-        ({"model": "minilm", "input": "x", "encoding_format": "int8"}, 422, "encoding_format"),
+        ({"model": "minilm", "input": []}, 400, "input"),
+        ({"model": "minilm", "input": "x", "encoding_format": "int8"}, 400, "encoding_format"),
     ],
 )
 def test_bad_embedding_requests_name_the_field_and_bill_nothing(

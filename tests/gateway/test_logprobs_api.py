@@ -1,7 +1,7 @@
 """`logprobs` / `top_logprobs` (chat), `logprobs` (completions) and `logit_bias` through a live gateway and the
 official `openai` client, on SmolLM2-135M in bf16: the numbers are transformers' own log-softmax for the same
 prompt and tokens (its `LlamaForCausalLM`, fp32) within bf16 tolerance, the same alone or batched, streamed or
-not; the listed tokens spell the answer; the bias moves the choice; bad values are 400/422 naming the field."""
+not; the listed tokens spell the answer; the bias moves the choice; bad values are 400 naming the field."""
 
 from __future__ import annotations
 
@@ -100,11 +100,11 @@ def test_logit_bias_bans_and_forces_tokens(client: openai.OpenAI, small_engine: 
     ("extra", "status", "param"),
     [
         ({"top_logprobs": 2}, 400, "top_logprobs"),
-        ({"logprobs": True, "top_logprobs": 21}, 422, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
         ({"logit_bias": {"hello": 5}}, 400, "logit_bias"),
         ({"logit_bias": {"99999999": 5}}, 400, "logit_bias"),
-        ({"logit_bias": {"5": 101}}, 422, "logit_bias.5"),
-        ({"logit_bias": {str(i): 1 for i in range(301)}}, 422, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, 400, "logit_bias.5"),
+        ({"logit_bias": {str(i): 1 for i in range(301)}}, 400, "logit_bias"),
     ],
 )
 def test_bad_logprobs_and_bias_are_errors_naming_the_field(
