@@ -153,6 +153,9 @@ class Settings(BaseSettings):
     prefix_cache_scope: Literal["tenant", "shared"] = Field(
         "tenant", description="tenant: cached prompt prefixes are reused only within a tenant"
     )
+    responses_retention_days: float = Field(
+        30.0, gt=0, description="how long a stored Responses API response (`store: true`) is kept, as OpenAI's 30 days"
+    )
     router_dir: Path | None = Field(None, description='the trained router `model: "auto"` uses; default: home/router')
     router_hidden_max_waiting: int = Field(
         8, ge=0, description="a router on the small tier's hidden state routes on text when more wait in that queue"

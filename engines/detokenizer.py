@@ -21,6 +21,7 @@ class IncrementalDetokenizer:
         self._holdback = max((len(s) for s in self._stop), default=1) - 1
         self.text = ""
         self._emitted = 0
+        self.stopped_by: str | None = None  # the stop string that ended the text (Anthropic's `stop_sequence`)
 
     def push(self, token_id: int) -> bool:
         """Decode one token; True when a stop string appeared (the text is cut before it)."""
@@ -29,9 +30,10 @@ class IncrementalDetokenizer:
             return False
         search_from = max(0, len(self.text) - self._holdback)
         self.text += piece
-        hits = [i for s in self._stop if (i := self.text.find(s, search_from)) >= 0]
+        hits = [(i, s) for s in self._stop if (i := self.text.find(s, search_from)) >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            cut, self.stopped_by = min(hits, key=lambda hit: hit[0])
+            self.text = self.text[:cut]
             return True
         return False
 

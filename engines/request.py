@@ -83,6 +83,7 @@ class RequestOutput:
     draft_accepted: int = 0  # of them, kept
     logprobs: tuple[TokenLogprob, ...] = ()  # one per new token, when the request's hook asks for them
     hidden: torch.Tensor | None = None  # a prefill-only request's hidden state (float32, (hidden_size,))
+    stop_sequence: str | None = None  # the stop string that finished it (in-process tiers; None: another reason)
 
     @property
     def finished(self) -> bool:

@@ -93,6 +93,7 @@ class Sequence:
             completion_tokens=self.num_generated,
             finish_reason=self.finish_reason,
             cached_tokens=max(0, self.cached_tokens),
+            stop_sequence=self.detokenizer.stopped_by,
             draft_proposed=self.draft_proposed,
             draft_accepted=self.draft_accepted,
             logprobs=logprobs,

@@ -29,6 +29,9 @@ from gateway.api import tuning as tuning_api
 from gateway.api.chat import router as chat_api
 from gateway.api.completions import router as completions_api
 from gateway.api.deps import AppConfig, Services, app_config, running_pipeline, set_config, set_services
+from gateway.api.messages import router as messages_api
+from gateway.api.messages.serving import anthropic_error
+from gateway.api.responses import router as responses_api
 from gateway.cache.exact import ResponseCache
 from gateway.cache.semantic import SemanticCache
 from gateway.cache.stage import CacheStage
@@ -54,6 +57,8 @@ log = logging.getLogger(__name__)
 ROUTERS: tuple[APIRouter, ...] = (
     chat_api.router,
     completions_api.router,
+    responses_api.router,
+    messages_api.router,
     models.router,
     embeddings.router,
     admin.router,
@@ -93,6 +98,7 @@ def create_app(
     metrics_api.watch(config.metrics, lambda: running_pipeline(app))
     use_key_secret(settings.key_secret.get_secret_value() if settings.key_secret else None, settings.home_dir)
     errors.install(app, config.metrics.record_error)
+    errors.shape_errors(app, messages_api.PREFIX, anthropic_error)  # Anthropic's clients read their own error shape
     openapi.install(app)
     for router in ROUTERS:
         app.include_router(router)

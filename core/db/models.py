@@ -216,3 +216,20 @@ class PolicyProposal(Base):
     decided_by: Mapped[str | None] = mapped_column(String(64), nullable=True)
     decided_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     applied_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
+
+
+class StoredResponse(Base):
+    """A Responses API response kept for its tenant (`store: true`): `previous_response_id` continues from its
+    `context` (every item before it, its input and its output, in order), GET returns `response`. Rows past
+    `expires_at` are never served and are deleted as new ones are written."""
+
+    __tablename__ = "stored_responses"
+    __table_args__ = (Index("ix_stored_responses_expires_at", "expires_at"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # the response's id, the ledger's request id
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    response: Mapped[dict] = mapped_column(JSON)  # the response object as it was answered
+    input_items: Mapped[list] = mapped_column(JSON)  # this turn's input items, with their ids
+    context: Mapped[list] = mapped_column(JSON)  # what a continuation is prepended with
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

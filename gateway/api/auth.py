@@ -40,6 +40,20 @@ def _mask(key: str) -> str:
 CurrentPrincipal = Annotated[Principal, Depends(require_principal)]
 
 
+async def require_api_key(
+    db: DatabaseDep,
+    x_api_key: Annotated[str | None, Header()] = None,
+    authorization: Annotated[str | None, Header()] = None,
+) -> Principal:
+    """Anthropic's clients send the key as `x-api-key`; `Authorization: Bearer` works there too."""
+    if not x_api_key and not authorization:
+        raise APIError(401, "You didn't provide an API key. Send it in the x-api-key header.", code="missing_api_key")
+    return await require_principal(db, f"Bearer {x_api_key.strip()}" if x_api_key else authorization)
+
+
+ApiKeyPrincipal = Annotated[Principal, Depends(require_api_key)]
+
+
 def require_role(*roles: str) -> Callable[[Principal], Awaitable[Principal]]:
     """A dependency that lets only keys with one of `roles` through (403 otherwise)."""
 

@@ -9,7 +9,7 @@ prompts, shadow runs) run once the body is sent, never on the request's path.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from functools import partial
 from typing import Any
@@ -78,8 +78,10 @@ async def respond(
     body: ChatCompletionRequest | CompletionRequest,
     events: Callable[[Generation, bool], AsyncIterator[str]],
     result: Callable[[Generation, list[str], list[str | None]], BaseModel],
+    keep: Callable[[Any], Awaitable[None]] | None = None,
 ) -> Response:
-    """Stream SSE, or run to the end (aborting if the client leaves) and answer with `result`."""
+    """Stream SSE, or run to the end (aborting if the client leaves) and answer with `result` (given to `keep`
+    first, where the API stores its answers)."""
     plan = gen.plan
     headers = {"x-request-id": gen.request_id, "x-switchboard-cache": plan.cache.header}
     request_id_var.set(gen.request_id)  # from here on, log lines carry the id of the response and the ledger row
@@ -102,7 +104,10 @@ async def respond(
         return Response(status_code=499)  # nobody is listening; the status is for the access log
     _answer_headers(answer, headers)
     final = answer.generation
-    body_json = result(final, answer.texts, answer.reasons).model_dump_json()
+    shaped = result(final, answer.texts, answer.reasons)
+    if keep is not None:
+        await keep(shaped)
+    body_json = shaped.model_dump_json()
     # after_response runs once the body is sent (Starlette's background task), never on the request's path
     return Response(
         body_json, media_type="application/json", headers=headers, background=BackgroundTask(final.after_response)

@@ -11,11 +11,11 @@
 
 Beside them: `plan` (what admission decides, what a run ends with), `choices` (deltas and candidate tiers),
 `streams` (a primed engine stream, a replay, `Watch`), `prompts` (a request's prompts and tool calls),
-`refusals` (the 4xx a request can meet), `policy_check` (a policy as this gateway would serve it),
-`prompt_log` (the one place prompt text is logged, where a tenant opted in) and `embeddings`
-(`/v1/embeddings`, metered). `Pipeline` (service) holds the stores and stages, starts each request and
-runs a non-streamed one to its `Answer`; `Generation` (run) is one request being run. The API routes only
-translate between HTTP and these.
+`refusals` (the 4xx a request can meet), `policy_check` (a policy as this gateway would serve it), `wires`
+(the APIs a chat-shaped request arrives through), `prompt_log` (the one place prompt text is logged, where a
+tenant opted in) and `embeddings` (`/v1/embeddings`, metered). `Pipeline` (service) holds the stores and
+stages, starts each request and runs a non-streamed one to its `Answer`; `Generation` (run) is one request
+being run. The API routes only translate between HTTP and these.
 """
 
 from gateway.pipeline.choices import Candidate, ChoiceDelta
@@ -24,8 +24,12 @@ from gateway.pipeline.plan import Outcome, Plan
 from gateway.pipeline.refusals import model_not_found
 from gateway.pipeline.run import Generation, Watch
 from gateway.pipeline.service import Answer, Pipeline
+from gateway.pipeline.wires import CHAT, MESSAGES, RESPONSES, Wire
 
 __all__ = [
+    "CHAT",
+    "MESSAGES",
+    "RESPONSES",
     "Answer",
     "Candidate",
     "ChoiceDelta",
@@ -35,5 +39,6 @@ __all__ = [
     "Pipeline",
     "Plan",
     "Watch",
+    "Wire",
     "model_not_found",
 ]

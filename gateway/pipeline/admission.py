@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import replace
 from decimal import Decimal
+from typing import Any
 
 import anyio
 
@@ -51,8 +52,9 @@ from gateway.pipeline.prompts import (
 )
 from gateway.pipeline.refusals import model_not_allowed, model_not_found, reject_unsupported, unavailable
 from gateway.pipeline.single_flight import Flights, Seat, join
+from gateway.pipeline.wires import CHAT, Wire
 from gateway.routing.stage import RoutingStage
-from gateway.tool_calls import routing_turns, template_messages, tool_request
+from gateway.tool_calls import ToolRequest, routing_turns, template_messages, tool_request
 from policies.budgets import BudgetError, Budgets, Reservation
 from policies.policy import Policy
 from policies.pricing import worst_case
@@ -126,8 +128,10 @@ class Admission:
         body: ChatCompletionRequest,
         cache_header: str | None = None,
         escalated_from: str | None = None,
+        wire: Wire = CHAT,
     ) -> Plan:
-        """A chat request's plan: its messages through the tier's chat template (and the policy's instruction)."""
+        """A chat request's plan: its messages through the tier's chat template (and the policy's instruction).
+        `wire`: the API it came through, translated (`gateway.pipeline.wires`)."""
         policy = await self.policy(principal)
         routed = escalated_from is None and self.routing.wants(body.model, policy.policy)
         if not routed:
@@ -140,22 +144,15 @@ class Admission:
         messages = [*routing_turns(tools), *chat_messages(body)]  # the router sees the tools offered, and how many
         route = await self.routing.route(principal, policy.policy, [messages], self.salt(principal)) if routed else None
         engine = self.engine(route.tier if route else body.model, policy.policy)
-        # The model (and the cache key) see the policy's instruction; routing and stored prompts see the client's.
-        shown = instructed(template_messages(body), policy.policy.sampling.system_instruction)
-        turns, offered = chat_input(engine.tokenizer, shown, tools)
-        chars = sum(len(m["content"]) for m in turns) + (len(str(offered)) if offered else 0)
-        try:
-            prompt = await tokenize(chars, engine.tokenizer.encode_chat, turns, offered)
-        except ChatTemplateError as exc:
-            raise invalid(str(exc), param="messages") from None
+        shown, prompt = await _chat_prompt(engine, body, policy.policy, tools, wire)
         max_tokens = body.max_completion_tokens or body.max_tokens
         if tools is None:
             constraint, calls = await grammar(engine, body.response_format), None
         else:
             constraint, calls = await tool_grammar(engine, tools)
         prepared = Prepared(
-            endpoint="chat.completions",
-            id_prefix="chatcmpl",
+            endpoint=wire.endpoint,
+            id_prefix=wire.id_prefix,
             engine=engine,
             prompts=[prompt],
             max_tokens=max_tokens,
@@ -166,6 +163,16 @@ class Admission:
             calls=calls,
         )
         return await self._plan(principal, policy, body, prepared, cache_header, escalated_from)
+
+    async def count_chat(self, principal: Principal, body: ChatCompletionRequest, wire: Wire = CHAT) -> int:
+        """The prompt tokens `body` would be on the tier it names (`auto`: the first tier the policy allows, the
+        cheapest), as admission tokenizes it: the tier's chat template, the tools, the policy's instruction."""
+        policy = (await self.policy(principal)).policy
+        model = body.model
+        if self.routing.wants(model, policy):
+            model = next((t for t in self.engines if policy.allows(t)), model)
+        engine = self.engine(model, policy)
+        return len((await _chat_prompt(engine, body, policy, tool_request(body), wire))[1])
 
     async def admit_completion(
         self,
@@ -339,3 +346,17 @@ def _fits(engine: TierEngine, requests: list[EngineRequest], policy: Policy, nam
     except RequestRejected:
         return False
     return True
+
+
+async def _chat_prompt(
+    engine: TierEngine, body: ChatCompletionRequest, policy: Policy, tools: ToolRequest | None, wire: Wire
+) -> tuple[list[dict[str, Any]], list[int]]:
+    """The conversation as the model sees it, and its token ids. The model (and the cache key) see the policy's
+    instruction; routing and stored prompts see the client's."""
+    shown = instructed(template_messages(body), policy.sampling.system_instruction)
+    turns, offered = chat_input(engine.tokenizer, shown, tools)
+    chars = sum(len(m["content"]) for m in turns) + (len(str(offered)) if offered else 0)
+    try:
+        return shown, await tokenize(chars, engine.tokenizer.encode_chat, turns, offered)
+    except ChatTemplateError as exc:
+        raise invalid(str(exc), param=wire.prompt_field) from None

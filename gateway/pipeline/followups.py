@@ -22,7 +22,7 @@ def after_response(routing: RoutingStage, plan: Plan, outcome: Outcome) -> None:
         routing.store(caller.principal.tenant_id, plan.request_id, plan.conversations, route)
     fresh = plan.cache.answer is None  # a cached answer is not a new cheaper-tier answer
     relabeler = routing.relabeler
-    if relabeler is None or not fresh or caller.endpoint != "chat.completions":
+    if relabeler is None or not fresh or caller.endpoint == "completions":
         return
     if relabeler.wants(caller.policy, outcome.served.name, caller.principal.tenant_name):
         relabeler.submit(shadow_job(plan, outcome))

@@ -6,6 +6,7 @@ from collections.abc import Iterable
 
 from gateway.http.errors import APIError, invalid
 from gateway.http.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.pipeline.wires import prompt_field
 
 
 def model_not_found(model: str) -> APIError:
@@ -37,4 +38,4 @@ def reject_unsupported(body: ChatCompletionRequest | CompletionRequest, names: t
 
 def prompt_param(endpoint: str) -> str:
     """The request field a refusal of the prompt points at."""
-    return "messages" if endpoint == "chat.completions" else "prompt"
+    return prompt_field(endpoint)

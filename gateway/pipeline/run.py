@@ -116,6 +116,12 @@ class Generation:
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
     @property
+    def last_outputs(self) -> list[RequestOutput | None]:
+        """Each choice's last engine output: its cached prompt tokens, its stop string (None: a cached answer)."""
+        last = self._state.stream.last if self._state.stream else {}
+        return [last.get(r.request_id) for r in self.plan.work.requests]
+
+    @property
     def verifier_actions(self) -> list[dict[str, Any]]:
         return self.plan.verifier_actions
 

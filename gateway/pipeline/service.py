@@ -21,6 +21,7 @@ from gateway.pipeline.plan import Plan
 from gateway.pipeline.policy_check import validate_policy
 from gateway.pipeline.prompts import Body
 from gateway.pipeline.run import Generation, Watch
+from gateway.pipeline.wires import CHAT, WIRES, Wire
 from gateway.routing.stage import RoutingStage
 from policies.budgets import Budgets
 from policies.policy import Policy
@@ -90,8 +91,10 @@ class Pipeline(Admission):
         body: ChatCompletionRequest,
         cache_header: str | None = None,
         escalated_from: str | None = None,
+        wire: Wire = CHAT,
     ) -> Generation:
-        return self._generation(await self.admit_chat(principal, body, cache_header, escalated_from))
+        """A chat-shaped request, from whichever API `wire` names (translated to chat by its route)."""
+        return self._generation(await self.admit_chat(principal, body, cache_header, escalated_from, wire))
 
     async def start_completion(
         self,
@@ -114,7 +117,8 @@ class Pipeline(Admission):
         retry = body.model_copy(update={"model": gen.escalation})
         principal = gen.plan.caller.principal
         if isinstance(retry, ChatCompletionRequest):
-            return await self.start_chat(principal, retry, escalated_from=gen.request_id)
+            wire = WIRES[gen.plan.caller.endpoint]  # the retry is billed under the same API
+            return await self.start_chat(principal, retry, escalated_from=gen.request_id, wire=wire)
         return await self.start_completion(principal, retry, escalated_from=gen.request_id)
 
     def served_policy(self, body: dict[str, Any]) -> Policy:

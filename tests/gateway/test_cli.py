@@ -73,7 +73,7 @@ def test_serve_answers_the_openai_client(home_env: dict[str, str], tmp_path: Pat
 def test_tenant_and_key_commands(home_env: dict[str, str], postgres_url: str) -> None:
     for env in (home_env, {**home_env, "SWITCHBOARD_DATABASE_URL": postgres_url}):
         upgraded = cli(env, "db", "upgrade")
-        assert upgraded.returncode == 0 and "revision 0004" in upgraded.stderr
+        assert upgraded.returncode == 0 and "revision 0005" in upgraded.stderr
         first = cli(env, "tenant", "create", "acme")
         assert first.returncode == 0 and first.stdout.startswith("sk-sb-")
         again = cli(env, "tenant", "create", "acme")
