@@ -153,6 +153,11 @@ class Settings(BaseSettings):
     prefix_cache_scope: Literal["tenant", "shared"] = Field(
         "tenant", description="tenant: cached prompt prefixes are reused only within a tenant"
     )
+    model_aliases: dict[str, str] = Field(
+        default_factory=lambda: {"text-embedding-3-small": "minilm", "text-embedding-ada-002": "minilm"},
+        description="operator-wide: a model name apps send → the tier, `auto` or embedding model that serves it "
+        "(a tenant's policy `aliases` come first)",
+    )
     responses_retention_days: float = Field(
         30.0, gt=0, description="how long a stored Responses API response (`store: true`) is kept, as OpenAI's 30 days"
     )

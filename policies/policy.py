@@ -77,6 +77,9 @@ class RouterSettings(_Strict):
     calibration: RouterCalibration | None = None
     recalibration: FloorRecalibration | None = None
     route_all: bool = Field(False, description="route every request, whatever tier its `model` names")
+    lock_tool_loops: bool = Field(
+        True, description="a turn inside a tool loop (or a continued response) goes to its conversation's first tier"
+    )
     store_prompts: bool = Field(
         False, description="keep routed conversations (SQL; and in shadow label rows) to calibrate and retrain on"
     )
@@ -240,6 +243,10 @@ DEFAULT_PRICES = {
 }
 
 
+ModelName = Annotated[str, Field(min_length=1, max_length=100)]
+Problem = tuple[tuple[str | int, ...], str]  # a field's path and what is wrong with it
+
+
 class Policy(_Strict):
     allowed_tiers: list[str] | None = Field(None, description="None: every tier the gateway serves")
     router: RouterSettings = Field(default_factory=RouterSettings)
@@ -252,6 +259,12 @@ class Policy(_Strict):
     budgets: list[Budget] = Field(default_factory=list, max_length=8)
     prices: dict[str, TierPrice] = Field(default_factory=lambda: dict(DEFAULT_PRICES))
     counterfactual_tier: str = Field("large", description="what every request is compared against")
+    aliases: dict[ModelName, ModelName] = Field(
+        default_factory=dict,
+        max_length=64,
+        description="a model name apps send (`gpt-4o-mini`, a Claude id) → the tier, `auto` or embedding model that "
+        "serves it; over the operator's `model_aliases`",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -297,10 +310,17 @@ class Policy(_Strict):
         """A tier without a price of its own costs what the counterfactual tier costs (never free)."""
         return self.prices.get(tier) or self.prices[self.counterfactual_tier]
 
-    def check_tiers(self, served: list[str]) -> list[tuple[tuple[str | int, ...], str]]:
-        """(field path, message) for every tier named here that the gateway does not serve."""
-        problems: list[tuple[tuple[str | int, ...], str]] = []
+    def check_tiers(self, served: list[str], callable_: tuple[str, ...] = ()) -> list[Problem]:
+        """(field path, message) for every tier named here that the gateway does not serve; an alias may also name
+        one of `callable_` (`auto`, an embedding model)."""
+        problems: list[Problem] = []
         for i, t in enumerate(self.allowed_tiers or []):
             if t not in served:
                 problems.append((("allowed_tiers", i), f"no tier named {t!r}; served: {', '.join(served)}"))
+        targets = [*served, *callable_]
+        for name, target in self.aliases.items():
+            if target not in targets:
+                problems.append((("aliases", name), f"{target!r} is not served here; one of {', '.join(targets)}"))
+            elif name in served:
+                problems.append((("aliases", name), f"{name!r} is a tier's own name: an alias cannot hide it"))
         return problems

@@ -123,6 +123,8 @@ class Usage(Base):
     status: Mapped[str] = mapped_column(String(16))  # ok | aborted | error
     finish_reason: Mapped[str | None] = mapped_column(String(16), nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # the model name the client sent, where it was not the tier's (an alias, or `auto`)
+    requested_model: Mapped[str | None] = mapped_column(String(100), nullable=True)
 
 
 class UsageDaily(Base):

@@ -52,6 +52,7 @@ COLUMNS = (
     "policy_version",
     *AMOUNTS,
     "created_at",
+    "requested_model",
 )
 
 
@@ -96,6 +97,7 @@ class UsageRecord:
     decisions: Decisions = field(default_factory=Decisions)
     charge: Charge = field(default_factory=lambda: Charge(cost=ZERO, counterfactual=ZERO))
     created_at: datetime = field(default_factory=utcnow)
+    requested_model: str | None = None  # the name the client sent, where an alias (or `auto`) named the tier
 
     @classmethod
     def from_columns(cls, *values: Any, **named: Any) -> UsageRecord:
@@ -159,6 +161,7 @@ class UsageRecord:
             "policy_version": d.policy_version,
             **self.charge.ledger_fields(),
             "created_at": self.created_at,
+            "requested_model": self.requested_model,
         }
 
     def to_json(self) -> str:

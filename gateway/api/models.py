@@ -1,15 +1,18 @@
-"""`GET /v1/models` and `GET /v1/models/{model}`: the tiers this tenant's policy allows, and `auto` (the router
-picks) where a router is loaded."""
+"""`GET /v1/models` and `GET /v1/models/{model}`: the tiers this tenant's policy allows, `auto` (the router picks)
+where a router is loaded, and the aliases (the tenant's and the operator's) whose target the key may call. The
+same list answers Anthropic's clients (a key as `x-api-key` too; each card carries both APIs' fields)."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter
 
-from gateway.api.auth import CurrentPrincipal
+from gateway.accounting.tenants import Principal
+from gateway.api.auth import ApiKeyPrincipal
 from gateway.api.deps import PipelineDep, StartedDep
 from gateway.http.errors import documented
 from gateway.http.schemas import ModelCard, ModelList
-from gateway.pipeline import model_not_found
+from gateway.pipeline import Pipeline, model_not_found
+from gateway.pipeline.aliases import EMBEDDING_TIER, aliases
 from gateway.routing.stage import AUTO
 
 __all__ = ["router"]
@@ -18,19 +21,24 @@ router = APIRouter(prefix="/v1", tags=["openai"], responses=documented(400, 401,
 
 
 @router.get("/models", response_model=ModelList)
-async def list_models(principal: CurrentPrincipal, pipeline: PipelineDep, created: StartedDep) -> ModelList:
+async def list_models(principal: ApiKeyPrincipal, pipeline: PipelineDep, created: StartedDep) -> ModelList:
     """The tiers this tenant's policy allows, and `auto` (the router picks) when a router is loaded."""
+    return ModelList(data=[ModelCard(id=name, created=created) for name in await _callable(principal, pipeline)])
+
+
+@router.get("/models/{model}", response_model=ModelCard, responses=documented(404))
+async def get_model(model: str, principal: ApiKeyPrincipal, pipeline: PipelineDep, created: StartedDep) -> ModelCard:
+    if model not in await _callable(principal, pipeline):
+        raise model_not_found(model)
+    return ModelCard(id=model, created=created)
+
+
+async def _callable(principal: Principal, pipeline: Pipeline) -> list[str]:
+    """What this key may name as `model`: the allowed tiers, `auto`, the embedding model, and aliases of them."""
     policy = (await pipeline.policy(principal)).policy
     names = [name for name in pipeline.engines if policy.allows(name)]
     if pipeline.routing.offered(policy):
         names.append(AUTO)
-    return ModelList(data=[ModelCard(id=name, created=created) for name in names])
-
-
-@router.get("/models/{model}", response_model=ModelCard, responses=documented(404))
-async def get_model(model: str, principal: CurrentPrincipal, pipeline: PipelineDep, created: StartedDep) -> ModelCard:
-    policy = (await pipeline.policy(principal)).policy
-    served = model in pipeline.engines and policy.allows(model)
-    if not served and not (model == AUTO and pipeline.routing.offered(policy)):
-        raise model_not_found(model)
-    return ModelCard(id=model, created=created)
+    targets = {*names, *([EMBEDDING_TIER] if policy.allows(EMBEDDING_TIER) else [])}
+    names += [alias for alias, target in aliases(policy, pipeline.settings.model_aliases).items() if target in targets]
+    return names

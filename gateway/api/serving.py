@@ -87,7 +87,9 @@ async def respond(
     request_id_var.set(gen.request_id)  # from here on, log lines carry the id of the response and the ledger row
     if plan.cache.answer is not None:  # which of this tenant's earlier requests answered it
         headers["x-switchboard-cache-source"] = plan.cache.answer.request_id
-    if plan.route is not None:
+    if plan.route is not None and plan.route.features == "lock":  # a tool loop's turn, on its conversation's tier
+        headers[ROUTE_HEADER] = f"{plan.route.tier}; lock"
+    elif plan.route is not None:
         headers[ROUTE_P_HEADER] = f"{plan.route.p_small_ok:.3f}"
         predicted = ",".join(f"{tier}={p:.3f}" for tier, p in sorted(plan.route.p_ok.items()))
         headers[ROUTE_HEADER] = f"{predicted}; {plan.route.features}"

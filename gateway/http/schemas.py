@@ -9,9 +9,12 @@ field, as the OpenAPI document says, rather than a guess at what the client mean
 from __future__ import annotations
 
 import time
+from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, computed_field, model_validator
+
+from gateway.http.json_schema import bounded_schema
 
 # Fields clients may send that we do not serve yet; setting one to a non-default value is a 400.
 UNSUPPORTED_CHAT = (
@@ -124,29 +127,6 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
         return self.content or ""
-
-
-MAX_SCHEMA_DEPTH = 64  # nested objects and arrays in a JSON schema: ~30 levels of properties, past any real one
-MAX_SCHEMA_NODES = 20_000  # values in one schema, at most
-
-
-def bounded_schema(schema: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Refuse a schema nested too deep or too large before anything walks it recursively (the grammar compiler,
-    the tool renderer, json.dumps): 300 levels raised RecursionError there, a 500. Walked with a stack here."""
-    if schema is None:
-        return None
-    stack: list[tuple[Any, int]] = [(schema, 1)]
-    nodes = 0
-    while stack:
-        value, depth = stack.pop()
-        nodes += 1
-        if depth > MAX_SCHEMA_DEPTH:
-            raise ValueError(f"a schema may nest at most {MAX_SCHEMA_DEPTH} objects and arrays deep")
-        if nodes > MAX_SCHEMA_NODES:
-            raise ValueError(f"a schema may hold at most {MAX_SCHEMA_NODES} values")
-        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
-        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
-    return schema
 
 
 Schema = Annotated[dict[str, Any], AfterValidator(bounded_schema)]
@@ -376,15 +356,39 @@ class Completion(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """OpenAI's model card and Anthropic's `ModelInfo` in one (each client reads its own fields)."""
+
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "switchboard"
+    type: Literal["model"] = "model"
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def display_name(self) -> str:
+        return self.id
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def created_at(self) -> str:
+        return datetime.fromtimestamp(self.created, UTC).isoformat().replace("+00:00", "Z")
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+    has_more: bool = False  # Anthropic's paging: everything is on one page
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def first_id(self) -> str | None:
+        return self.data[0].id if self.data else None
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def last_id(self) -> str | None:
+        return self.data[-1].id if self.data else None
 
 
 def chunk_json(chunk: BaseModel, include_usage: bool) -> str:

@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import replace
 from decimal import Decimal
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 
@@ -33,6 +33,7 @@ from gateway.cache.stage import BYPASS, CacheDecision, CacheStage, cache_mode
 from gateway.http.errors import from_budget, invalid
 from gateway.http.schemas import UNSUPPORTED_CHAT, UNSUPPORTED_COMPLETION, ChatCompletionRequest, CompletionRequest
 from gateway.pipeline import cascade
+from gateway.pipeline.aliases import resolve
 from gateway.pipeline.choices import Candidate
 from gateway.pipeline.plan import Caller, Checks, Plan, Work
 from gateway.pipeline.prompts import (
@@ -53,7 +54,8 @@ from gateway.pipeline.prompts import (
 from gateway.pipeline.refusals import model_not_allowed, model_not_found, reject_unsupported, unavailable
 from gateway.pipeline.single_flight import Flights, Seat, join
 from gateway.pipeline.wires import CHAT, Wire
-from gateway.routing.stage import RoutingStage
+from gateway.routing.stage import Lock, RoutingStage
+from gateway.routing.tier_lock import continues, opening_key
 from gateway.tool_calls import ToolRequest, routing_turns, template_messages, tool_request
 from policies.budgets import BudgetError, Budgets, Reservation
 from policies.policy import Policy
@@ -63,6 +65,8 @@ from policies.store import PolicyStore, Versioned
 from verifiers.hook import VerifierHook
 from verifiers.policy import build_verifiers
 from verifiers.probe import AnswerProbe
+
+B = TypeVar("B", ChatCompletionRequest, CompletionRequest)
 
 
 class Admission:
@@ -117,6 +121,11 @@ class Admission:
             name = tier.fallback if tier else None
         return out
 
+    def aliased(self, body: B, policy: Policy) -> B:
+        """`body` naming what its model's alias names (`gateway.pipeline.aliases`), or `body` itself."""
+        model = resolve(policy, self.settings.model_aliases, body.model)
+        return body if model == body.model else body.model_copy(update={"model": model})
+
     def salt(self, principal: Principal) -> str:
         """The prefix-cache salt of a principal's requests: tenant scope keeps them to the tenant, since a
         faster first token would tell one tenant what another tenant's prompts begin with."""
@@ -129,10 +138,13 @@ class Admission:
         cache_header: str | None = None,
         escalated_from: str | None = None,
         wire: Wire = CHAT,
+        continued: bool = False,
     ) -> Plan:
         """A chat request's plan: its messages through the tier's chat template (and the policy's instruction).
-        `wire`: the API it came through, translated (`gateway.pipeline.wires`)."""
+        `wire`: the API it came through, translated (`gateway.pipeline.wires`); `continued`: it continues a stored
+        conversation (a previous response), so it stays on that conversation's tier like a tool loop's turn."""
         policy = await self.policy(principal)
+        asked, body = body.model, self.aliased(body, policy.policy)
         routed = escalated_from is None and self.routing.wants(body.model, policy.policy)
         if not routed:
             self.engine(body.model, policy.policy)  # an unknown or forbidden tier is refused before anything else
@@ -142,7 +154,10 @@ class Admission:
             raise invalid("`response_format` cannot be combined with `tools`: a call's arguments already follow "
                           "its function's schema.", param="response_format")  # fmt: skip
         messages = [*routing_turns(tools), *chat_messages(body)]  # the router sees the tools offered, and how many
-        route = await self.routing.route(principal, policy.policy, [messages], self.salt(principal)) if routed else None
+        route = None
+        if routed:
+            lock = tier_lock(principal, body, continued)
+            route = await self.routing.route(principal, policy.policy, [messages], self.salt(principal), lock)
         engine = self.engine(route.tier if route else body.model, policy.policy)
         shown, prompt = await _chat_prompt(engine, body, policy.policy, tools, wire)
         max_tokens = body.max_completion_tokens or body.max_tokens
@@ -153,6 +168,7 @@ class Admission:
         prepared = Prepared(
             endpoint=wire.endpoint,
             id_prefix=wire.id_prefix,
+            asked=asked,
             engine=engine,
             prompts=[prompt],
             max_tokens=max_tokens,
@@ -168,7 +184,7 @@ class Admission:
         """The prompt tokens `body` would be on the tier it names (`auto`: the first tier the policy allows, the
         cheapest), as admission tokenizes it: the tier's chat template, the tools, the policy's instruction."""
         policy = (await self.policy(principal)).policy
-        model = body.model
+        model = resolve(policy, self.settings.model_aliases, body.model)
         if self.routing.wants(model, policy):
             model = next((t for t in self.engines if policy.allows(t)), model)
         engine = self.engine(model, policy)
@@ -183,6 +199,7 @@ class Admission:
     ) -> Plan:
         """A completion request's plan: one prompt or several (text or token ids), each run n times."""
         policy = await self.policy(principal)
+        asked, body = body.model, self.aliased(body, policy.policy)
         routed = escalated_from is None and self.routing.wants(body.model, policy.policy)
         if not routed:
             self.engine(body.model, policy.policy)
@@ -197,6 +214,7 @@ class Admission:
         prepared = Prepared(
             endpoint="completions",
             id_prefix="cmpl",
+            asked=asked,
             engine=engine,
             prompts=prompts,
             max_tokens=body.max_tokens,
@@ -255,7 +273,7 @@ class Admission:
             policy.policy, tier, hooks, self.engines, stream=body.stream, escalated_from=escalated_from
         )
         return Plan(
-            caller=Caller(request_id, p.endpoint, body.model, principal, policy, int(time.time())),
+            caller=Caller(request_id, p.endpoint, p.asked or body.model, principal, policy, int(time.time())),
             work=work,
             checks=Checks(tuple(hooks), target, escalated_from),
             cache=cache,
@@ -360,3 +378,10 @@ async def _chat_prompt(
         return shown, await tokenize(chars, engine.tokenizer.encode_chat, turns, offered)
     except ChatTemplateError as exc:
         raise invalid(str(exc), param=wire.prompt_field) from None
+
+
+def tier_lock(principal: Principal, body: ChatCompletionRequest, continued: bool = False) -> Lock:
+    """The conversation a routed chat request belongs to, and whether it continues a tool loop (or a stored
+    response): such a turn goes to the tier its conversation's first turn went to (`gateway.routing.tier_lock`)."""
+    turns = [{"role": m.role, "content": m.text(), "tool_calls": m.tool_calls} for m in body.messages]
+    return Lock(opening_key(principal.tenant_id, turns), continued or continues(turns))

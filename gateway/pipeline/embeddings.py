@@ -28,6 +28,7 @@ from gateway.accounting.record import Decisions, TokenCounts, UsageRecord
 from gateway.accounting.tenants import Principal
 from gateway.http.errors import APIError, from_budget, invalid
 from gateway.http.schemas import EmbeddingRequest
+from gateway.pipeline.aliases import EMBEDDING_TIER, resolve
 from gateway.pipeline.refusals import model_not_allowed
 from policies.budgets import BudgetError, Reservation
 from policies.policy import PER_MILLION
@@ -37,7 +38,7 @@ from policies.store import Versioned
 if TYPE_CHECKING:
     from gateway.pipeline import Pipeline
 
-TIER = "minilm"  # the in-process embedder's tier: its price, its ledger rows
+TIER = EMBEDDING_TIER
 NAMES = frozenset({TIER, "all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2"})
 CHECKPOINT = "all-MiniLM-L6-v2"
 
@@ -54,6 +55,7 @@ class _Run:
     tokens: int
     status: str
     started: float
+    asked: str  # the model name the client sent
 
 
 @dataclass(frozen=True)
@@ -76,10 +78,11 @@ class Embeddings:
 
     async def embed(self, principal: Principal, body: EmbeddingRequest) -> Embedded:
         policy = await self.pipeline.policy(principal)
-        remote = self.remote(body.model)
-        if body.model not in NAMES and remote is None:
+        model = resolve(policy.policy, self.pipeline.settings.model_aliases, body.model)
+        remote = self.remote(model)
+        if model not in NAMES and remote is None:
             raise self._unknown(body.model)
-        tier = TIER if remote is None else body.model
+        tier = TIER if remote is None else model
         if not policy.policy.allows(tier):
             raise model_not_allowed(tier, [t for t in [TIER, *self.pipeline.engines] if policy.policy.allows(t)])
         if remote is None and body.dimensions not in (None, Embedder.DIM):
@@ -106,7 +109,7 @@ class Embeddings:
             return Embedded(request_id, vectors, tokens)
         finally:
             with anyio.CancelScope(shield=True):
-                run = _Run(request_id, principal, policy, tier, remote, tokens, status, started)
+                run = _Run(request_id, principal, policy, tier, remote, tokens, status, started, body.model)
                 await self._bill(run, reservation)
 
     def _texts(self, body: EmbeddingRequest, remote: RemoteEngine | None) -> tuple[list[str], list[int]]:
@@ -152,6 +155,7 @@ class Embeddings:
             tokens=TokenCounts(prompt=run.tokens, completion=0),
             decisions=Decisions(cache_status="bypass", policy_version=run.policy.version),
             charge=Charge(cost=cost, counterfactual=cost),
+            requested_model=run.asked,
         )
         pipeline = self.pipeline
         if pipeline.metrics is not None:

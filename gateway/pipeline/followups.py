@@ -18,7 +18,7 @@ def after_response(routing: RoutingStage, plan: Plan, outcome: Outcome) -> None:
     if route is None or outcome.status != "ok":
         return
     caller = plan.caller
-    if caller.policy.policy.router.store_prompts:
+    if caller.policy.policy.router.store_prompts and route.features != "lock":  # a locked turn was not decided
         routing.store(caller.principal.tenant_id, plan.request_id, plan.conversations, route)
     fresh = plan.cache.answer is None  # a cached answer is not a new cheaper-tier answer
     relabeler = routing.relabeler

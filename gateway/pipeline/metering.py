@@ -60,6 +60,7 @@ def usage_record(plan: Plan, outcome: Outcome) -> tuple[UsageRecord, Tokens]:
         tenant_id=caller.principal.tenant_id,
         api_key_id=caller.principal.key_id,
         endpoint=caller.endpoint,
+        requested_model=caller.model,
         model=outcome.served.checkpoint,
         tier=outcome.served.name,
         latency_ms=round(outcome.seconds * 1000),

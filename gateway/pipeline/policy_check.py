@@ -14,15 +14,15 @@ from policies.policy import Policy
 __all__ = ["validate_policy"]
 
 
-def validate_policy(body: dict[str, Any], served: list[str], *, probe: bool) -> Policy:
+def validate_policy(body: dict[str, Any], served: list[str], *, probe: bool, callable_: tuple[str, ...] = ()) -> Policy:
     """The policy, or a 422 naming every bad field by its path. `probe`: whether this gateway has a trained
-    answer probe (the `probe` check needs one)."""
+    answer probe (the `probe` check needs one). `callable_`: what an alias may name besides the tiers."""
     try:
         policy = Policy.model_validate(body)
     except ValidationError as exc:
         problems = [(tuple(e["loc"]), e["msg"]) for e in exc.errors()]
         raise _invalid(problems) from None
-    if problems := policy.check_tiers(served):
+    if problems := policy.check_tiers(served, callable_):
         raise _invalid(problems)
     if "probe" in policy.verifiers.checks and not probe:
         why = "no answer probe is trained on this gateway (switchboard verifiers train-probe)"

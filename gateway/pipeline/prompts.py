@@ -48,6 +48,7 @@ class Prepared:
     route: RouteDecision | None = None
     grammar: Grammar | None = None  # compiled for `engine`'s vocabulary
     calls: CallSpec | None = None  # answers are parsed for tool calls
+    asked: str | None = None  # the model name the client sent (an alias's, before it named the tier)
 
 
 async def tokenize(chars: int, fn: Callable[..., T], *args: Any) -> T:

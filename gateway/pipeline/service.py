@@ -15,7 +15,8 @@ from gateway.accounting.tenants import Principal
 from gateway.cache.stage import CacheStage
 from gateway.http.errors import APIError
 from gateway.http.schemas import ChatCompletionRequest, CompletionRequest
-from gateway.pipeline.admission import Admission
+from gateway.pipeline.admission import Admission, tier_lock
+from gateway.pipeline.aliases import ALIAS_TARGETS
 from gateway.pipeline.metering import Meter
 from gateway.pipeline.plan import Plan
 from gateway.pipeline.policy_check import validate_policy
@@ -92,9 +93,12 @@ class Pipeline(Admission):
         cache_header: str | None = None,
         escalated_from: str | None = None,
         wire: Wire = CHAT,
+        continued: bool = False,
     ) -> Generation:
-        """A chat-shaped request, from whichever API `wire` names (translated to chat by its route)."""
-        return self._generation(await self.admit_chat(principal, body, cache_header, escalated_from, wire))
+        """A chat-shaped request, from whichever API `wire` names (translated to chat by its route); `continued`:
+        it continues a stored response (its tier lock applies)."""
+        plan = await self.admit_chat(principal, body, cache_header, escalated_from, wire, continued)
+        return self._generation(plan)
 
     async def start_completion(
         self,
@@ -118,12 +122,14 @@ class Pipeline(Admission):
         principal = gen.plan.caller.principal
         if isinstance(retry, ChatCompletionRequest):
             wire = WIRES[gen.plan.caller.endpoint]  # the retry is billed under the same API
+            if gen.plan.route is not None:  # a routed tool loop stays on the tier it escalated to
+                self.routing.locks.move(tier_lock(principal, body).key, gen.escalation)
             return await self.start_chat(principal, retry, escalated_from=gen.request_id, wire=wire)
         return await self.start_completion(principal, retry, escalated_from=gen.request_id)
 
     def served_policy(self, body: dict[str, Any]) -> Policy:
         """`validate_policy` against what this gateway serves: its tiers, and whether it has a probe (a 422)."""
-        return validate_policy(body, list(self.engines), probe=self.probe is not None)
+        return validate_policy(body, list(self.engines), probe=self.probe is not None, callable_=ALIAS_TARGETS)
 
     def _generation(self, plan: Plan) -> Generation:
         return Generation(plan, self.meter, self.cache, self.routing)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from gateway.accounting.tenants import Principal
 from gateway.http.errors import APIError
 from gateway.routing.hidden import HiddenStateSource
 from gateway.routing.quality_floor import QualityFloor
+from gateway.routing.tier_lock import TierLocks
 from policies.policy import Policy
 from policies.store import PolicyStore
 from router_model.drift import LargeShareWindow, Shares
@@ -70,6 +72,14 @@ class RouteDecision:
     features: str = "text"  # "hidden": from the small tier's hidden state; "text": the text router decided
 
 
+@dataclass(frozen=True)
+class Lock:
+    """What a chat request's tier lock reads: its conversation's key and whether it continues a tool loop."""
+
+    key: str
+    continuing: bool
+
+
 class RoutingStage:
     def __init__(
         self,
@@ -82,6 +92,7 @@ class RoutingStage:
     ) -> None:
         self.service = service
         self.engines = engines
+        self.locks = TierLocks()
         self.prompts = prompts
         self.relabeler = relabeler
         self.unavailable = unavailable  # why there is no router, for the 404 and the admin stats
@@ -151,11 +162,29 @@ class RoutingStage:
         return self.service is not None and bool(self._tiers(policy))
 
     async def route(
-        self, principal: Principal, policy: Policy, conversations: Sequence[Messages], salt: str = ""
+        self,
+        principal: Principal,
+        policy: Policy,
+        conversations: Sequence[Messages],
+        salt: str = "",
+        lock: Lock | None = None,
     ) -> RouteDecision:
         """Decide on the hardest of the request's conversations (a completion may carry several prompts):
         the cheapest allowed tier whose predicted P(good enough) meets the threshold, else the largest.
-        `salt`: the request's prefix-cache salt, so the small tier's routing prefill is reused."""
+        `salt`: the request's prefix-cache salt, so the small tier's routing prefill is reused. `lock`: a chat's
+        conversation, whose turns inside a tool loop go where it went (`gateway.routing.tier_lock`)."""
+        if lock is not None and lock.continuing and policy.router.lock_tool_loops:
+            tier = self.locks.get(lock.key)
+            if tier is not None and policy.allows(tier):
+                return RouteDecision(tier, math.nan, math.nan, "lock", None, 0.0, {}, "lock")
+        decision = await self._decide(principal, policy, conversations, salt)
+        if lock is not None:
+            self.locks.hold(lock.key, decision.tier)
+        return decision
+
+    async def _decide(
+        self, principal: Principal, policy: Policy, conversations: Sequence[Messages], salt: str
+    ) -> RouteDecision:
         assert self.service is not None, "wants() said no router"
         ladder, tiers = self._ladders(policy)
         if not tiers:

@@ -138,7 +138,8 @@ def test_completions_endpoint(client: openai.OpenAI) -> None:
 
 
 def test_models_and_health(live_server: LiveServer, client: openai.OpenAI) -> None:
-    assert [m.id for m in client.models.list()] == ["small"]
+    # the tier, and the operator's default aliases of the embedding model (`model_aliases`)
+    assert [m.id for m in client.models.list()] == ["small", "text-embedding-3-small", "text-embedding-ada-002"]
     assert client.models.retrieve("small").id == "small"
     health = httpx.get(f"{live_server.base_url}/healthz").json()
     assert health["status"] == "ok" and health["database"] == "ok" and health["engines"]["small"]["alive"]

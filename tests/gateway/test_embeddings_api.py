@@ -80,7 +80,7 @@ def test_embeddings_are_held_to_rate_limits(live: LiveServer) -> None:
         ({"model": "minilm", "input": "x", "dimensions": 128}, 400, "dimensions"),
         ({"model": "minilm", "input": ["fine", "word " * 300]}, 400, "input[1]"),
         ({"model": "minilm", "input": [[1, 2, 99999999]]}, 400, "input[0]"),
-        ({"model": "text-embedding-3-small", "input": "x"}, 404, "model"),
+        ({"model": "text-embedding-4-huge", "input": "x"}, 404, "model"),
         ({"model": "small", "input": "x"}, 404, "model"),  # a chat tier
         ({"model": "minilm", "input": []}, 400, "input"),
         ({"model": "minilm", "input": "x", "encoding_format": "int8"}, 400, "encoding_format"),

@@ -53,8 +53,9 @@ def streamed(claude: Any, **kwargs: Any) -> Any:
 
 @pytest.mark.parametrize("max_tokens", [6, 48])
 def test_a_stream_reassembles_into_the_message(live: LiveServer, claude: Any, max_tokens: int) -> None:
+    ask = [{"role": "user", "content": "Name three colors."}]
     common: dict[str, Any] = dict(model="small", max_tokens=max_tokens, system="Be brief.", extra_body=GREEDY,
-                                  messages=[{"role": "user", "content": "Name three colors."}], extra_headers=NO_STORE)  # fmt: skip
+                                  messages=ask, extra_headers=NO_STORE)  # fmt: skip
     whole = claude.messages.create(**common)
     assert whole.type == "message" and whole.role == "assistant" and whole.content[0].type == "text"
     cut = whole.usage.output_tokens == max_tokens

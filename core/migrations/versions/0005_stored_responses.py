@@ -1,4 +1,4 @@
-"""stored responses: what the Responses API keeps per tenant for `previous_response_id` and GET
+"""stored responses (what the Responses API keeps per tenant) and the usage row's requested model (an alias)
 
 Revision ID: 0005
 Revises: 0004
@@ -28,8 +28,12 @@ def upgrade() -> None:
         sa.Column("expires_at", sa.DateTime(timezone=True), nullable=False),
     )
     op.create_index("ix_stored_responses_expires_at", "stored_responses", ["expires_at"])
+    with op.batch_alter_table("usage") as batch:  # SQLite alters a table by copying it: batch mode
+        batch.add_column(sa.Column("requested_model", sa.String(100), nullable=True))
 
 
 def downgrade() -> None:
+    with op.batch_alter_table("usage") as batch:
+        batch.drop_column("requested_model")
     op.drop_index("ix_stored_responses_expires_at", table_name="stored_responses")
     op.drop_table("stored_responses")

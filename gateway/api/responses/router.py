@@ -43,7 +43,10 @@ async def create_response(
         )
         context = previous.context
     chat = chat_request(body, context, items)
-    gen = await pipeline.start_chat(principal, chat, request.headers.get(CACHE_CONTROL), wire=RESPONSES)
+    continued = body.previous_response_id is not None  # a stored conversation stays on its tier under `auto`
+    gen = await pipeline.start_chat(
+        principal, chat, request.headers.get(CACHE_CONTROL), wire=RESPONSES, continued=continued
+    )
     keep = _keeper(store, principal, context, items) if body.store else None
     return await respond(
         request,

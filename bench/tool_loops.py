@@ -1,0 +1,156 @@
+"""Agent tool loops on `model: "auto"`, with the tier lock and without: tier switches inside a loop, and the prompt
+tokens the prefix cache served per turn.
+
+    OMP_NUM_THREADS=2 .venv/bin/python -m bench.tool_loops [--loops 20] [--seed 0]
+
+A gateway (`switchboard serve`, SQLite) whose `small` and `large` tiers are two SmolLM2-135M engines, each with its
+own KV cache (so a switch loses the loop's prefix, as between real tiers), routed by a router trained on synthetic
+labels (`router_model.synthetic`: short chat passes on small, long many-step arithmetic does not). Each loop is an
+OpenAI Agents SDK agent on its default settings (the Responses API) with one function tool it must call every turn
+(`tool_choice="required"`, not reset), run for 3-6 turns (`max_turns`; the SDK's MaxTurnsExceeded ends it), whose
+results alternate a short sentence and a long many-step word problem: asked afresh, the router sends such a turn
+large. The same loops run for two tenants, `router.lock_tool_loops` on and off. From the ledger, per loop in
+order: each turn's tier and cached prompt tokens. The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import random
+import statistics
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import sqlalchemy as sa
+
+from bench.serve import ROOT, SERVE, launch_serve, say, serve_env
+
+QUESTIONS = ["Hi! How are you today?", "What is the weather in Oslo?", "Say hello to Maria.", "Is it sunny in Rome?"]
+HARD = (
+    "Result: Fatima has 312 marbles. Then Fatima sells 45 marbles. Then Fatima buys 17 marbles. Then Fatima trades "
+    "62 marbles. Then Fatima loses 33 marbles. Then Fatima finds 9 marbles. Each week this repeats 7 times and 25% "
+    "are lost. How many marbles does Fatima have at the end? Solve it step by step."
+)
+TIERS = {"small": {"model": "smollm2-135m-instruct"}, "large": {"model": "smollm2-135m-instruct"}}
+
+
+def train(router_dir: Path) -> None:
+    from router_model.encoder import RouterEncoder
+    from router_model.examples import split_examples
+    from router_model.model import save_router
+    from router_model.synthetic import synthetic_examples
+    from router_model.train import train_router
+
+    train_set, heldout = split_examples(synthetic_examples(200, seed=1), test_size=0.25, seed=0)
+    result = train_router(train_set, heldout, RouterEncoder(), seed=0, folds=2, candidates=("hist_gb",),
+                          large_share=0.4)  # fmt: skip
+    save_router(result.router, router_dir)
+
+
+def tenant(db_url: str, url: str, lock: bool) -> tuple[str, int]:
+    """A tenant routing by the router's calibrated threshold, the lock on or off: its admin key and id."""
+    from core.db.database import Database
+    from gateway.accounting.tenants import create_tenant, tenant_by_name
+
+    name = f"loops-{'lock' if lock else 'fresh'}-{uuid.uuid4().hex[:6]}"
+    db = Database(db_url)
+    key = create_tenant(db, name, role="admin").key
+    found = tenant_by_name(db, name)
+    assert found is not None
+    db.dispose()
+    policy = {"router": {"mode": "large_share", "shadow_share": 0.0, "lock_tool_loops": lock}}
+    r = httpx.put(f"{url}/v1/admin/tenants/{name}/policy", json=policy, headers={"Authorization": f"Bearer {key}"})
+    r.raise_for_status()
+    return key, found.id
+
+
+async def run_loops(url: str, key: str, plan: list[tuple[str, int]]) -> None:
+    import agents
+    import openai
+
+    agents.set_tracing_disabled(True)
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=300)
+    for n, (question, turns) in enumerate(plan):
+        calls = 0
+
+        @agents.function_tool
+        def lookup(query: str) -> str:
+            """Look something up."""
+            nonlocal calls
+            calls += 1
+            return HARD if calls % 2 else "It is sunny and 21 C."
+
+        settings = agents.ModelSettings(tool_choice="required", max_tokens=48, temperature=0)
+        agent = agents.Agent(name="loop", instructions="Use the lookup tool.", tools=[lookup], reset_tool_choice=False,
+                             model=agents.OpenAIResponsesModel(model="auto", openai_client=client),
+                             model_settings=settings)  # fmt: skip
+        with contextlib.suppress(agents.exceptions.MaxTurnsExceeded):
+            await agents.Runner.run(agent, question, max_turns=turns)
+        say(f"  loop {n + 1}/{len(plan)}: {turns} turns")
+
+
+def ledger(db_url: str, tenant_id: int) -> list[tuple[str, int, int]]:
+    from core.db.database import Database
+    from core.db.models import Usage
+
+    db = Database(db_url)
+    with db.session() as s:
+        rows = s.execute(sa.select(Usage.tier, Usage.cached_prompt_tokens, Usage.prompt_tokens)
+                         .where(Usage.tenant_id == tenant_id).order_by(Usage.created_at)).all()  # fmt: skip
+    db.dispose()
+    return [tuple(r) for r in rows]  # type: ignore[misc]
+
+
+def summary(rows: list[tuple[str, int, int]], plan: list[tuple[str, int]]) -> dict[str, Any]:
+    loops, at = [], 0
+    for _, turns in plan:
+        loops.append(rows[at : at + turns])
+        at += turns
+    switches = [sum(a[0] != b[0] for a, b in itertools.pairwise(loop)) for loop in loops]
+    later = [r for loop in loops for r in loop[1:]]  # the turns a loop's prefix could serve
+    return {
+        "turns": len(rows),
+        "switches_inside_loops": sum(switches),
+        "loops_that_switched": sum(s > 0 for s in switches),
+        "large_share": round(sum(r[0] == "large" for r in rows) / max(1, len(rows)), 3),
+        "cached_tokens_per_later_turn": round(statistics.mean(r[1] for r in later), 1) if later else 0,
+        "cached_share_of_later_prompts": round(sum(r[1] for r in later) / max(1, sum(r[2] for r in later)), 3),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--loops", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    plan = [(rng.choice(QUESTIONS), rng.randint(3, 6)) for _ in range(args.loops)]
+    with tempfile.TemporaryDirectory(prefix="sb-loops-") as tmp:
+        home = Path(tmp)
+        say("training the router on synthetic labels")
+        train(home / "router")
+        db_url, port = f"sqlite:///{home / 'db.sqlite'}", 8731
+        env = serve_env(home, db_url, port, SWITCHBOARD_TIERS=json.dumps(TIERS), SWITCHBOARD_SHADOW_RUNS="false",
+                        SWITCHBOARD_ROUTER_AUTO_TRAIN="false")  # fmt: skip
+        _, url, stop = launch_serve(SERVE, env, str(ROOT), port, home / "serve.log", [])
+        try:
+            out: dict[str, Any] = {"loops": args.loops, "turns_planned": sum(t for _, t in plan)}
+            for lock in (True, False):
+                key, tenant_id = tenant(db_url, url, lock)
+                say(f"{'with' if lock else 'without'} the lock")
+                asyncio.run(run_loops(url, key, plan))
+                out["lock" if lock else "fresh"] = summary(ledger(db_url, tenant_id), plan)
+        finally:
+            stop()
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
