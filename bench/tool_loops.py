@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import itertools
 import json
 import random
@@ -25,10 +24,11 @@ import statistics
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import httpx
 import sqlalchemy as sa
+from pydantic import Field
 
 from bench.serve import ROOT, SERVE, launch_serve, say, serve_env
 
@@ -38,7 +38,8 @@ HARD = (
     "62 marbles. Then Fatima loses 33 marbles. Then Fatima finds 9 marbles. Each week this repeats 7 times and 25% "
     "are lost. How many marbles does Fatima have at the end? Solve it step by step."
 )
-TIERS = {"small": {"model": "smollm2-135m-instruct"}, "large": {"model": "smollm2-135m-instruct"}}
+# Two configurations, so two engines (tiers naming one configuration share its engine and its KV cache).
+TIERS = {"small": {"model": "smollm2-135m-instruct"}, "large": {"model": "smollm2-135m-instruct", "max_num_seqs": 32}}
 
 
 def train(router_dir: Path) -> None:
@@ -54,10 +55,12 @@ def train(router_dir: Path) -> None:
     save_router(result.router, router_dir)
 
 
-def tenant(db_url: str, url: str, lock: bool) -> tuple[str, int]:
+def tenant(home: Path, db_url: str, url: str, lock: bool) -> tuple[str, int]:
     """A tenant routing by the router's calibrated threshold, the lock on or off: its admin key and id."""
     from core.db.database import Database
-    from gateway.accounting.tenants import create_tenant, tenant_by_name
+    from gateway.accounting.tenants import create_tenant, tenant_by_name, use_key_secret
+
+    use_key_secret(None, home)  # the server's: keys are stored as HMACs under its home's secret
 
     name = f"loops-{'lock' if lock else 'fresh'}-{uuid.uuid4().hex[:6]}"
     db = Database(db_url)
@@ -71,29 +74,35 @@ def tenant(db_url: str, url: str, lock: bool) -> tuple[str, int]:
     return key, found.id
 
 
-async def run_loops(url: str, key: str, plan: list[tuple[str, int]]) -> None:
+async def run_loop(url: str, key: str, question: str, turns: int) -> None:
+    """One agent loop: the tool called every turn, until `turns` model calls (or a turn cut short by its token
+    limit, which the SDK ends the run on) end it."""
     import agents
     import openai
 
     agents.set_tracing_disabled(True)
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=300)
-    for n, (question, turns) in enumerate(plan):
-        calls = 0
+    calls = 0
 
-        @agents.function_tool
-        def lookup(query: str) -> str:
-            """Look something up."""
-            nonlocal calls
-            calls += 1
-            return HARD if calls % 2 else "It is sunny and 21 C."
+    @agents.function_tool
+    def lookup(query: Annotated[str, Field(max_length=40)]) -> str:  # bounded: a call always fits its turn
+        """Look something up."""
+        nonlocal calls
+        calls += 1
+        return HARD if calls % 2 else "It is sunny and 21 C."
 
-        settings = agents.ModelSettings(tool_choice="required", max_tokens=48, temperature=0)
-        agent = agents.Agent(name="loop", instructions="Use the lookup tool.", tools=[lookup], reset_tool_choice=False,
-                             model=agents.OpenAIResponsesModel(model="auto", openai_client=client),
-                             model_settings=settings)  # fmt: skip
-        with contextlib.suppress(agents.exceptions.MaxTurnsExceeded):
-            await agents.Runner.run(agent, question, max_turns=turns)
-        say(f"  loop {n + 1}/{len(plan)}: {turns} turns")
+    settings = agents.ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=160, temperature=0)
+    agent = agents.Agent(name="loop", instructions="Use the lookup tool.", tools=[lookup], reset_tool_choice=False,
+                         model=agents.OpenAIResponsesModel(model="auto", openai_client=client),
+                         model_settings=settings)  # fmt: skip
+    try:
+        await agents.Runner.run(agent, question, max_turns=turns)
+    except agents.exceptions.MaxTurnsExceeded:
+        pass
+    except agents.exceptions.ModelBehaviorError as exc:  # a turn the model's token limit cut: the loop ends there
+        say(f"  ended early: {str(exc)[:200]}")
+    finally:
+        await client.close()  # on this loop's event loop (each loop runs in its own)
 
 
 def ledger(db_url: str, tenant_id: int) -> list[tuple[str, int, int]]:
@@ -108,12 +117,10 @@ def ledger(db_url: str, tenant_id: int) -> list[tuple[str, int, int]]:
     return [tuple(r) for r in rows]  # type: ignore[misc]
 
 
-def summary(rows: list[tuple[str, int, int]], plan: list[tuple[str, int]]) -> dict[str, Any]:
-    loops, at = [], 0
-    for _, turns in plan:
-        loops.append(rows[at : at + turns])
-        at += turns
+def summary(loops: list[list[tuple[str, int, int]]]) -> dict[str, Any]:
+    """Each loop's turns in order (tier, cached prompt tokens, prompt tokens) → switches and the prefix served."""
     switches = [sum(a[0] != b[0] for a, b in itertools.pairwise(loop)) for loop in loops]
+    rows = [r for loop in loops for r in loop]
     later = [r for loop in loops for r in loop[1:]]  # the turns a loop's prefix could serve
     return {
         "turns": len(rows),
@@ -122,13 +129,14 @@ def summary(rows: list[tuple[str, int, int]], plan: list[tuple[str, int]]) -> di
         "large_share": round(sum(r[0] == "large" for r in rows) / max(1, len(rows)), 3),
         "cached_tokens_per_later_turn": round(statistics.mean(r[1] for r in later), 1) if later else 0,
         "cached_share_of_later_prompts": round(sum(r[1] for r in later) / max(1, sum(r[2] for r in later)), 3),
+        "tiers": ["".join(r[0][0] for r in loop) for loop in loops],  # s and l per turn
     }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--loops", type=int, default=20)
-    parser.add_argument("--seed", type=int, default=0)
+    parser = argparse.ArgumentParser(prog="python -m bench.tool_loops", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--loops", type=int, default=20, help="agent loops per arm")
+    parser.add_argument("--seed", type=int, default=0, help="picks each loop's question and turns (3-6)")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     plan = [(rng.choice(QUESTIONS), rng.randint(3, 6)) for _ in range(args.loops)]
@@ -143,10 +151,13 @@ def main() -> None:
         try:
             out: dict[str, Any] = {"loops": args.loops, "turns_planned": sum(t for _, t in plan)}
             for lock in (True, False):
-                key, tenant_id = tenant(db_url, url, lock)
-                say(f"{'with' if lock else 'without'} the lock")
-                asyncio.run(run_loops(url, key, plan))
-                out["lock" if lock else "fresh"] = summary(ledger(db_url, tenant_id), plan)
+                loops = []
+                for n, (question, turns) in enumerate(plan):  # a tenant per loop: its ledger rows are the loop
+                    key, tenant_id = tenant(home, db_url, url, lock)
+                    asyncio.run(run_loop(url, key, question, turns))
+                    loops.append(ledger(db_url, tenant_id))
+                    say(f"{'lock' if lock else 'fresh'} loop {n + 1}/{len(plan)}: {len(loops[-1])} turns")
+                out["lock" if lock else "fresh"] = summary(loops)
         finally:
             stop()
     print(json.dumps(out))

@@ -78,11 +78,6 @@ def qwen05_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def qwen15_dir() -> Path:
-    return fetched("qwen2.5-coder-1.5b-instruct")
-
-
-@pytest.fixture(scope="session")
 def gemma3_dir() -> Path:
     return fetched("gemma3-270m")
 

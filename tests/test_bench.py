@@ -354,3 +354,13 @@ def test_bench_tools_scores_with_bfcls_own_checker() -> None:
     assert decoded([["f", '{"a": 1}']]) == [("f", {"a": 1})] and decoded([["f", "{oops"]]) is None
     assert malformed(q, [["calculate_triangle_area", '{"base": 10, "height": 5}']]) == 0
     assert malformed(q, [["calculate_triangle_area", '{"base": "ten"}'], ["nope", "{}"], ["x", "{oops"]]) == 3
+
+
+def test_tool_loops_counts_switches_inside_loops_and_the_prefix_later_turns_reuse(bench_module: Callable) -> None:
+    summary = bench_module("tool_loops").summary
+    locked = [[("small", 0, 100), ("small", 90, 120)], [("small", 0, 80), ("small", 70, 90), ("small", 85, 100)]]
+    fresh = [[("small", 0, 100), ("large", 0, 120)], [("small", 0, 80), ("large", 0, 90), ("small", 70, 100)]]
+    a, b = summary(locked), summary(fresh)
+    assert (a["switches_inside_loops"], a["loops_that_switched"], a["tiers"]) == (0, 0, ["ss", "sss"])
+    assert (b["switches_inside_loops"], b["loops_that_switched"], b["tiers"]) == (3, 2, ["sl", "sls"])
+    assert a["cached_share_of_later_prompts"] == round(245 / 310, 3) and b["cached_tokens_per_later_turn"] == 23.3

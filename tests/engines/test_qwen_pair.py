@@ -14,11 +14,13 @@ from engines.sampling import SamplingParams
 QUESTION = [{"role": "user", "content": "Write a Python function that reverses a string."}]
 
 
-@pytest.mark.parametrize("fixture", ["qwen05_dir", "qwen15_dir"])
-def test_qwen_models_load_and_decode_like_transformers(fixture: str, request: pytest.FixtureRequest) -> None:
+def test_qwen_models_load_and_decode_like_transformers(qwen05_dir: Path) -> None:
+    """The 0.5B in fp32 against transformers' Qwen2 class. The 1.5B is the same class and code path (only its
+    sizes differ): its fp32 run against transformers cost 105 s of the suite (Xeon, 2 vCPUs; ~2.3x that on a Zen 3)
+    and proved nothing the 0.5B does not; it is loaded, int8, and decoded in the speculative test below."""
     from transformers import AutoModelForCausalLM
 
-    model_dir: Path = request.getfixturevalue(fixture)
+    model_dir = qwen05_dir
     engine = Engine.from_dir(model_dir, dtype="fp32")
     prompt = engine.tokenizer.encode_chat(QUESTION)
     engine.add_request(EngineRequest("q", prompt, SamplingParams(max_tokens=8, temperature=0.0)))
