@@ -32,6 +32,7 @@ __all__ = [
     "TIER_HEADER",
     "VERIFIERS_HEADER",
     "asked_logprobs",
+    "fed",
     "generation_responses",
     "respond",
     "stream",
@@ -146,3 +147,16 @@ async def stream(
     if usage_chunk is not None:
         yield usage_chunk()
     yield sse("[DONE]")
+
+
+async def fed(
+    gen: Generation, feed: Callable[[str, bool], list[dict[str, Any]]], reasons: list[str]
+) -> AsyncIterator[dict[str, Any]]:
+    """A typed stream's payloads (Responses, Messages): each delta's text fed to the API's builder (`last` on the
+    delta that finishes it), whose finish reason is appended to `reasons`."""
+    async with aclosing(gen.events()) as deltas:
+        async for d in deltas:
+            if d.finish_reason is not None:
+                reasons.append(d.finish_reason)
+            for payload in feed(d.text, d.finish_reason is not None):
+                yield payload

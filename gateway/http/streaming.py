@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio
 from fastapi import Request
@@ -74,3 +75,8 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
 
 def sse(payload: str) -> str:
     return f"data: {payload}\n\n"
+
+
+def typed_sse(payload: dict[str, Any]) -> str:
+    """An event of a typed stream (the Responses and Messages APIs): its `type` as the SSE event name too."""
+    return f"event: {payload['type']}\ndata: {json.dumps(payload)}\n\n"

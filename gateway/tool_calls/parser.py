@@ -85,6 +85,14 @@ class CallParser:
                 self._space = self._before
                 self._text(fence.begin + body + fence.end, piece)
 
+    def step(self, text: str, last: bool) -> Piece:
+        """One delta of a stream: `feed`, and `finish` with it when it is the last."""
+        piece = self.feed(text)
+        if not last:
+            return piece
+        end = self.finish()
+        return Piece(piece.content + end.content, piece.calls + end.calls)
+
     def finish(self) -> Piece:
         """The end of the output: an unclosed call and held-back text are content."""
         piece = Piece()

@@ -22,7 +22,7 @@ from gateway.http.schemas import (
 )
 from gateway.http.streaming import sse
 from gateway.pipeline import ChoiceDelta, Generation
-from gateway.tool_calls import CallParser, CallSpec, ParsedCall, Piece, parse_answer
+from gateway.tool_calls import CallParser, CallSpec, ParsedCall, parse_answer
 
 __all__ = ["chat_events", "chat_result"]
 
@@ -76,10 +76,7 @@ async def chat_events(gen: Generation, include_usage: bool) -> AsyncIterator[str
         assert spec is not None
         parser = parsers.setdefault(d.index, spec.parser())
         before = len(parser.calls)
-        piece = parser.feed(d.text)
-        if d.finish_reason:
-            last = parser.finish()
-            piece = Piece(piece.content + last.content, piece.calls + last.calls)
+        piece = parser.step(d.text, last=bool(d.finish_reason))
         out = [ChatChunkChoice(index=d.index, delta=ChatDelta(content=piece.content))] if piece.content else []
         for n, call in enumerate(piece.calls, start=before):  # the id and name first, then the arguments
             first = ToolCallDelta.model_validate({"index": n, "id": call.id, "type": "function",

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from contextlib import aclosing
 from typing import Any
 
 from gateway.api.messages.protocol import AnthropicMessage, MessagesUsage
+from gateway.api.serving import fed
 from gateway.http.errors import APIError
+from gateway.http.streaming import typed_sse
 from gateway.pipeline import Generation
 from gateway.tool_calls import CallSpec, ParsedCall, Piece
 
@@ -45,10 +46,7 @@ class Blocks:
         self._open = False  # the last block is a text block still growing
 
     def feed(self, text: str, last: bool) -> list[dict[str, Any]]:
-        piece = Piece(text) if self._parser is None else self._parser.feed(text)
-        if last and self._parser is not None:
-            end = self._parser.finish()
-            piece = Piece(piece.content + end.content, piece.calls + end.calls)
+        piece = Piece(text) if self._parser is None else self._parser.step(text, last)
         events: list[dict[str, Any]] = []
         if piece.content:
             if not self._open:
@@ -126,30 +124,18 @@ def whole(gen: Generation, text: str, reason: str | None) -> AnthropicMessage:
 async def message_events(gen: Generation) -> AsyncIterator[str]:
     """message_start, ping, the blocks' events, message_delta (the stop reason, the usage), message_stop; an error
     after the start is an `error` event."""
-
-    def event(payload: dict[str, Any]) -> str:
-        return f"event: {payload['type']}\ndata: {json.dumps(payload)}\n\n"
-
     start = AnthropicMessage(id=gen.request_id, model=gen.model, content=[], stop_reason=None, usage=_usage(gen))
-    yield event({"type": "message_start", "message": start.model_dump()})
-    yield event({"type": "ping"})
-    blocks, reason = Blocks(gen.plan.calls), None
+    yield typed_sse({"type": "message_start", "message": start.model_dump()})
+    yield typed_sse({"type": "ping"})
+    blocks, reasons = Blocks(gen.plan.calls), []
     try:
-        async with aclosing(gen.events()) as deltas:
-            async for d in deltas:
-                reason = d.finish_reason or reason
-                for payload in blocks.feed(d.text, last=d.finish_reason is not None):
-                    yield event(payload)
+        async for payload in fed(gen, blocks.feed, reasons):
+            yield typed_sse(payload)
     except APIError as exc:
-        yield event(anthropic_error(exc))
+        yield typed_sse(anthropic_error(exc))
         return
+    reason = reasons[-1] if reasons else None
     stop_reason, sequence = _stop(gen, blocks, reason)
-    usage = _usage(gen)
-    yield event(
-        {
-            "type": "message_delta",
-            "delta": {"stop_reason": stop_reason, "stop_sequence": sequence},
-            "usage": {"output_tokens": usage.output_tokens},
-        }
-    )
-    yield event({"type": "message_stop"})
+    delta = {"stop_reason": stop_reason, "stop_sequence": sequence}
+    yield typed_sse({"type": "message_delta", "delta": delta, "usage": _usage(gen).model_dump()})
+    yield typed_sse({"type": "message_stop"})

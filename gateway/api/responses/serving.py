@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import aclosing
 from typing import Any
 
 from gateway.api.logprobs import chat_logprobs
 from gateway.api.responses.protocol import ResponseObject, ResponsesRequest, ResponseUsage
 from gateway.api.responses.translate import item_id
-from gateway.api.serving import asked_logprobs
+from gateway.api.serving import asked_logprobs, fed
 from gateway.http.errors import APIError
+from gateway.http.streaming import typed_sse
 from gateway.pipeline import Generation
 from gateway.tool_calls import CallSpec, ParsedCall, Piece
 
@@ -36,13 +36,7 @@ class Output:
         self._message: dict[str, Any] | None = None  # the open message item
 
     def feed(self, text: str, last: bool) -> list[dict[str, Any]]:
-        if self._parser is None:
-            piece = Piece(text)
-        else:
-            piece = self._parser.feed(text)
-            if last:
-                end = self._parser.finish()
-                piece = Piece(piece.content + end.content, piece.calls + end.calls)
+        piece = Piece(text) if self._parser is None else self._parser.step(text, last)
         events = self._text(piece.content) if piece.content else []
         for call in piece.calls:
             events += self._close() + self._call(call)
@@ -193,24 +187,22 @@ async def response_events(body: ResponsesRequest, gen: Generation, keep: Keep | 
     def event(payload: dict[str, Any]) -> str:
         nonlocal seq
         payload["sequence_number"], seq = seq, seq + 1
-        return f"event: {payload['type']}\ndata: {json.dumps(payload)}\n\n"
+        return typed_sse(payload)
 
     start = response_object(body, gen, [], None).model_copy(update={"status": "in_progress", "usage": None})
     yield event({"type": "response.created", "response": start.model_dump()})
     yield event({"type": "response.in_progress", "response": start.model_dump()})
-    output, reason = Output(gen.plan.calls), None
+    output, reasons = Output(gen.plan.calls), []
     try:
-        async with aclosing(gen.events()) as deltas:
-            async for d in deltas:
-                reason = d.finish_reason or reason
-                for payload in output.feed(d.text, last=d.finish_reason is not None):
-                    yield event(payload)
+        async for payload in fed(gen, output.feed, reasons):
+            yield event(payload)
     except APIError as exc:
         failed = start.model_copy(
             update={"status": "failed", "error": {"code": exc.code or "server_error", "message": exc.message}}
         )
         yield event({"type": "response.failed", "response": failed.model_dump()})
         return
+    reason = reasons[-1] if reasons else None
     final = response_object(body, gen, output.items, reason)
     if keep is not None:
         await keep(final)
