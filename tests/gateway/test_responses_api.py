@@ -185,6 +185,8 @@ BAD: list[tuple[dict[str, Any], str, str]] = [
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema", "required"),
     ({"tool_choice": {"type": "mcp"}}, "tool_choice", "mcp"),
     ({"max_output_tokens": 0}, "max_output_tokens", "greater than or equal"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object", "$ref": "#/x"}}]}, "tools",
+     "tools[0] (`f`)"),  # a schema the grammar compiler cannot use
 ]  # fmt: skip
 
 

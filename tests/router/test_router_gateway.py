@@ -19,11 +19,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import httpx
 import pytest
 import sqlalchemy as sa
+from pydantic import Field
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import services
@@ -701,3 +702,41 @@ def test_a_tool_loop_stays_on_the_tier_its_first_turn_went_to(gateway: Gateway) 
     _, unlocked, _ = gateway.tenant(mode="large_share", lock_tool_loops=False)
     _, fresh = loop(unlocked)
     assert P_HEADER in fresh.headers and not fresh.headers["x-switchboard-route"].endswith("lock")
+
+
+@pytest.mark.parametrize("model", ["large", "auto"])
+def test_the_agents_sdk_runs_a_tool_loop_on_a_named_tier_and_on_auto(gateway: Gateway, model: str) -> None:
+    """The OpenAI Agents SDK on its default settings (the Responses API) through `large` and `auto`: the tool is
+    called and its result answered; under `auto` the turn after the call is held to the loop's tier."""
+    agents = pytest.importorskip("agents")
+    import openai
+
+    _, key, tenant_id = gateway.tenant(mode="large_share")
+    calls: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: Annotated[str, Field(max_length=40)]) -> str:
+        """The weather in a city."""
+        calls.append(city)
+        return "sunny, 21 C"
+
+    agents.set_tracing_disabled(True)
+    client = openai.AsyncOpenAI(base_url=f"{gateway.live.base_url}/v1", api_key=key, max_retries=0)
+    settings = agents.ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=160, temperature=0)
+    responses = agents.OpenAIResponsesModel(model=model, openai_client=client)
+    agent = agents.Agent(name="weather", instructions="Answer with the tool.", tools=[get_weather],
+                         model_settings=settings, model=responses)  # fmt: skip
+
+    async def run() -> Any:
+        try:
+            return await agents.Runner.run(agent, "What is the weather in Paris?", max_turns=4)
+        finally:
+            await client.close()
+
+    result = asyncio.run(run())
+    assert calls and isinstance(result.final_output, str)
+    with gateway.live.db.session() as s:
+        rows = s.execute(sa.text("SELECT tier, endpoint FROM usage WHERE tenant_id = :t ORDER BY created_at"),
+                         {"t": tenant_id}).all()  # fmt: skip
+    assert len(rows) >= 2 and {r.endpoint for r in rows} == {"responses"}
+    assert {r.tier for r in rows} == ({"large"} if model == "large" else {rows[0].tier})  # no switch inside the loop
