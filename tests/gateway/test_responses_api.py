@@ -105,19 +105,19 @@ def test_json_schema_answers_validate(client: openai.OpenAI) -> None:
 
 def test_a_chain_continues_its_stored_conversation_with_a_warm_prefix(live: LiveServer, client: openai.OpenAI) -> None:
     previous, inputs, cached = None, [], []
-    for turn in range(5):
+    for turn in range(20):  # the chain: 20 turns
         r = client.responses.create(model="small", input=f"Turn {turn}: say one word.", previous_response_id=previous,
                                     temperature=0, max_output_tokens=6, extra_headers=NO_STORE)  # fmt: skip
         inputs.append(r.usage.input_tokens)
         cached.append(r.usage.input_tokens_details.cached_tokens)
         previous = r.id
-    assert inputs == sorted(inputs) and len(set(inputs)) == 5  # each turn carries the earlier ones
+    assert inputs == sorted(inputs) and len(set(inputs)) == 20  # each turn carries the earlier ones
     # From the second turn on, the earlier turns are served by the prefix cache (the block-aligned part of them).
     assert all(c >= prev - 16 for c, prev in zip(cached[1:], inputs[:-1], strict=True)), (cached, inputs)
     got = client.responses.retrieve(previous)
     assert got.id == previous and got.previous_response_id is not None
     items = client.responses.input_items.list(previous)
-    assert [i.type for i in items.data] == ["message"] and items.data[0].content[0].text == "Turn 4: say one word."
+    assert [i.type for i in items.data] == ["message"] and items.data[0].content[0].text == "Turn 19: say one word."
 
 
 def test_stored_responses_are_the_tenants_own_until_deleted(live: LiveServer, client: openai.OpenAI) -> None:
