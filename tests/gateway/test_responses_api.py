@@ -201,3 +201,13 @@ def test_bad_input_is_a_400_naming_the_field_and_bills_nothing(
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param and says in error["message"], error
     assert live.usage_rows(request_id=r.headers.get("x-request-id", "none")) == []
+
+
+def test_logprobs_come_on_the_text_part_where_include_asks(client: openai.OpenAI) -> None:
+    r = client.responses.create(model="small", input="Name a color.", max_output_tokens=6, temperature=0,
+                                include=["message.output_text.logprobs"], top_logprobs=2)  # fmt: skip
+    part = r.output[0].content[0]
+    assert part.logprobs and "".join(t.token for t in part.logprobs) == part.text
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in part.logprobs)
+    plain = client.responses.create(model="small", input="Name a color.", max_output_tokens=6, temperature=0)
+    assert plain.output[0].content[0].logprobs == [] and plain.output_text == r.output_text
