@@ -18,7 +18,7 @@ from fastapi import Request, Response
 from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
-from gateway.http.errors import APIError, documented
+from gateway.http.errors import APIError, ErrorResponse, documented
 from gateway.http.logging_setup import request_id_var
 from gateway.http.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.http.streaming import ClientDisconnected, EventStreamResponse, sse, until_disconnect
@@ -53,14 +53,14 @@ VERIFIERS_HEADER = "x-switchboard-verifiers"
 CASCADE_HEADER = "x-switchboard-cascade"
 
 
-def generation_responses(chunk: str) -> dict[int | str, dict[str, Any]]:
-    """A generation answers JSON, or server-sent events with `stream: true`; and these refuse one."""
+def generation_responses(chunk: str, shape: type[BaseModel] = ErrorResponse) -> dict[int | str, dict[str, Any]]:
+    """A generation answers JSON, or server-sent events with `stream: true`; and these refuse one (in `shape`)."""
     event = {
         "type": "object",
         "required": ["data"],
         "properties": {"data": {"type": "string", "description": f"a `{chunk}` as JSON; the last event is `[DONE]`"}},
     }
-    return {200: {"content": {"text/event-stream": {"schema": event}}}, **documented(400, 403, 404, 429)}
+    return {200: {"content": {"text/event-stream": {"schema": event}}}, **documented(400, 403, 404, 429, shape=shape)}
 
 
 def verifiers_header(actions: list[dict]) -> str:

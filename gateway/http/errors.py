@@ -69,9 +69,10 @@ _DESCRIPTIONS = {
 }
 
 
-def documented(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI `responses` entries for error statuses a route can answer, all in OpenAI's error shape."""
-    return {status: {"model": ErrorResponse, "description": _DESCRIPTIONS[status]} for status in statuses}
+def documented(*statuses: int, shape: type[BaseModel] = ErrorResponse) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` entries for error statuses a route can answer, in OpenAI's error shape (or `shape`,
+    where an API has its own: Anthropic's under /v1/messages)."""
+    return {status: {"model": shape, "description": _DESCRIPTIONS[status]} for status in statuses}
 
 
 class APIError(Exception):

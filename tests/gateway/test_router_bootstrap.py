@@ -23,6 +23,7 @@ import pytest
 
 import router_model.train
 import services
+from core.settings import Settings
 from engines.async_engine import AsyncEngine
 from gateway.api.deps import app_config
 from gateway.routing import bootstrap as router_bootstrap
@@ -126,8 +127,12 @@ def files(directory: Path) -> dict[str, tuple[str, int]]:
     }
 
 
+DEFAULT_ALIASES = Settings.model_fields["model_aliases"].default_factory()  # type: ignore[misc]
+
+
 def model_ids(c: openai.OpenAI) -> list[str]:
-    return [m.id for m in c.models.list()]
+    """The tiers (and `auto`) listed, without the operator's default aliases of the embedding model."""
+    return [m.id for m in c.models.list() if m.id not in DEFAULT_ALIASES]
 
 
 def test_a_fresh_gateway_trains_a_router_and_then_routes_auto(

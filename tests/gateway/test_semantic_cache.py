@@ -127,7 +127,10 @@ RUN = " ".join(VOCAB[(i * 7) % len(VOCAB)] for i in range(600))  # 600 words, no
 MORE = " ".join(VOCAB[(i * 5) % len(VOCAB)] for i in range(200))
 LAST_WORD = " What is the last word of the text above?"
 # A real document (this project's own README, about 2,000 words) asked about twice in other words.
-DOCUMENT = (Path(__file__).resolve().parents[2] / "README.md").read_text()[:9000]
+# Its last line holds an opposite pair (before/after) whatever the README's opening says this week.
+DOCUMENT = (Path(__file__).resolve().parents[2] / "README.md").read_text()[:9000] + (
+    "\nRun the test command before and after every change."
+)
 
 
 def test_a_long_text_is_never_judged_by_its_first_window(embedder: Embedder) -> None:

@@ -563,7 +563,8 @@ def test_auto_without_a_router_is_a_clear_404(
             assert r.status_code == 404 and error["code"] == "model_not_found" and error["param"] == "model"
             assert "no router is configured" in error["message"] and reason in error["message"]
             models = httpx.get(f"{live.base_url}/v1/models", headers={"Authorization": f"Bearer {key}"}).json()
-            assert [m["id"] for m in models["data"]] == ["small"]
+            aliases = Settings.model_fields["model_aliases"].default_factory()  # type: ignore[misc]  # the operator's defaults for the embedding model, listed too
+            assert [m["id"] for m in models["data"] if m["id"] not in aliases] == ["small"]
         finally:
             stop()
 

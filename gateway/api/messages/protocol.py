@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.http.schemas import INT32_MAX, MAX_ITEMS, MAX_TOOLS, Stop, Temperature, Text, TopP
 
-__all__ = ["AnthropicMessage", "CountTokensRequest", "MessagesRequest", "MessagesUsage"]
+__all__ = ["AnthropicError", "AnthropicMessage", "CountTokensRequest", "MessagesRequest", "MessagesUsage"]
 
 
 class Metadata(BaseModel):
@@ -59,3 +59,16 @@ class AnthropicMessage(BaseModel):
     stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"] | None
     stop_sequence: str | None = None
     usage: MessagesUsage
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str = Field(description="invalid_request_error, authentication_error, permission_error, not_found_error, "
+                      "request_too_large, rate_limit_error or api_error")  # fmt: skip
+    message: str
+
+
+class AnthropicError(BaseModel):
+    """What every error under /v1/messages carries, as Anthropic's API answers it."""
+
+    type: Literal["error"] = "error"
+    error: AnthropicErrorDetail

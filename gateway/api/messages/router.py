@@ -10,7 +10,7 @@ from fastapi import APIRouter, Header, Request, Response
 
 from gateway.api.auth import ApiKeyPrincipal
 from gateway.api.deps import PipelineDep
-from gateway.api.messages.protocol import AnthropicMessage, CountTokensRequest, MessagesRequest
+from gateway.api.messages.protocol import AnthropicError, AnthropicMessage, CountTokensRequest, MessagesRequest
 from gateway.api.messages.serving import message_events, whole
 from gateway.api.messages.translate import chat_request
 from gateway.api.serving import CACHE_CONTROL, generation_responses, respond
@@ -20,13 +20,13 @@ from gateway.pipeline import MESSAGES
 __all__ = ["PREFIX", "router"]
 
 PREFIX = "/v1/messages"
-router = APIRouter(prefix=PREFIX, tags=["anthropic"], responses=documented(400, 401, 413, 503))
+router = APIRouter(prefix=PREFIX, tags=["anthropic"], responses=documented(400, 401, 413, 503, shape=AnthropicError))
 Version = Annotated[
     str | None, Header(alias="anthropic-version", description="accepted; every version is served alike")
 ]
 
 
-@router.post("", response_model=AnthropicMessage, responses=generation_responses("Messages API event"))
+@router.post("", response_model=AnthropicMessage, responses=generation_responses("Messages API event", AnthropicError))
 async def create_message(
     body: MessagesRequest, request: Request, principal: ApiKeyPrincipal, pipeline: PipelineDep, version: Version = None
 ) -> Response:
