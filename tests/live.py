@@ -18,7 +18,7 @@ from fastapi import FastAPI
 
 import services
 from core.db.database import Database
-from core.db.models import Usage
+from core.db.models import Usage, as_utc
 from engines.async_engine import AsyncEngine
 from gateway.accounting.ledger import UsageRecord
 from gateway.accounting.tenants import create_tenant
@@ -74,7 +74,7 @@ class LiveServer:
             if time.monotonic() > deadline:
                 return []
             time.sleep(0.05)
-        newest = max(_utc(row.created_at) for row in rows)
+        newest = max(as_utc(row.created_at) for row in rows)
         if (wait := SETTLE_SECONDS - (datetime.now(UTC) - newest).total_seconds()) > 0:
             time.sleep(wait)
         rows = self.usage_rows(request_id=request_id)
@@ -94,11 +94,6 @@ class LiveServer:
             await write(rec)
 
         ledger.write = counted  # type: ignore[method-assign]
-
-
-def _utc(moment: datetime) -> datetime:
-    """SQLite hands timestamps back without their zone; they are UTC."""
-    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
 def run_in_thread(

@@ -32,6 +32,7 @@ __all__ = [
     "TIER_HEADER",
     "VERIFIERS_HEADER",
     "asked_logprobs",
+    "cached_tokens",
     "fed",
     "generation_responses",
     "respond",
@@ -65,6 +66,12 @@ def generation_responses(chunk: str, shape: type[BaseModel] = ErrorResponse) -> 
 
 def verifiers_header(actions: list[dict]) -> str:
     return ",".join(f"{a['choice']}:{a['verifier']}:{a['action']}@{a['tokens']}" for a in actions) or "none"
+
+
+def cached_tokens(gen: Generation) -> int:
+    """Prompt tokens the engine's prefix cache served (the least-cached choice's; 0 for a response-cache answer),
+    as the Responses and Messages APIs report them."""
+    return min((o.cached_tokens for o in gen.last_outputs if o is not None), default=0)
 
 
 def asked_logprobs(gen: Generation) -> int | None:

@@ -6,7 +6,6 @@ from collections.abc import Iterable
 
 from gateway.http.errors import APIError, invalid
 from gateway.http.schemas import ChatCompletionRequest, CompletionRequest
-from gateway.pipeline.wires import prompt_field
 
 
 def model_not_found(model: str) -> APIError:
@@ -34,8 +33,3 @@ def unavailable(model: str) -> APIError:
 def reject_unsupported(body: ChatCompletionRequest | CompletionRequest, names: tuple[str, ...]) -> None:
     if name := body.unsupported(names):
         raise invalid(f"`{name}` is not supported by this server yet.", param=name, code="unsupported_parameter")
-
-
-def prompt_param(endpoint: str) -> str:
-    """The request field a refusal of the prompt points at."""
-    return prompt_field(endpoint)

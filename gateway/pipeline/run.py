@@ -40,9 +40,10 @@ from gateway.pipeline.choices import Candidate, ChoiceDelta
 from gateway.pipeline.followups import after_response
 from gateway.pipeline.metering import Meter
 from gateway.pipeline.plan import Outcome, Plan
-from gateway.pipeline.refusals import prompt_param, unavailable
+from gateway.pipeline.refusals import unavailable
 from gateway.pipeline.single_flight import Flight, Forwarded
 from gateway.pipeline.streams import Primed, Watch, failed_before_output, replay_pieces
+from gateway.pipeline.wires import prompt_field
 from gateway.routing.stage import RoutingStage
 from verifiers.ask import tier_ask
 
@@ -162,7 +163,7 @@ class Generation:
             except RequestRejected as exc:  # a remote judged the request itself: the client's to fix
                 await self._drop_stream()
                 await self._release()
-                raise invalid(str(exc), param=prompt_param(self.plan.caller.endpoint), code=exc.code) from None
+                raise invalid(str(exc), param=prompt_field(self.plan.caller.endpoint), code=exc.code) from None
             last = i == len(candidates) - 1
             if first is not None and not (failed_before_output(first) and not last):
                 s.stream = Primed(stream, first)

@@ -18,7 +18,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from core.db.database import Database
-from core.db.models import Tenant
+from core.db.models import Tenant, as_utc
 from engines.protocol import TierEngine
 from policies.proposals import PROPOSED, ProposalError, ProposalStore
 from policies.store import PolicyStore
@@ -65,7 +65,7 @@ class TuningSchedule:
             if tuning.schedule == "off":
                 continue
             last = [t for t in (self.proposals.latest_created(tenant_id), self._failed.get(tenant_id)) if t]
-            if not last or now - max(_aware(t) for t in last) >= PERIODS[tuning.schedule]:
+            if not last or now - max(as_utc(t) for t in last) >= PERIODS[tuning.schedule]:
                 out.append(tenant_id)
         return out
 
@@ -119,7 +119,3 @@ class TuningSchedule:
                 await self.run_due()
             except Exception:  # the database may be down for a while: try again next time
                 log.exception("checking the tuning schedules failed")
-
-
-def _aware(t: datetime) -> datetime:
-    return t if t.tzinfo is not None else t.replace(tzinfo=UTC)  # SQLite hands back naive UTC times

@@ -154,6 +154,5 @@ class CallParser:
 def parse_answer(text: str, spec: CallSpec) -> tuple[str | None, list[ParsedCall]]:
     """A whole answer: its content (None when only calls) and its calls."""
     parser = spec.parser()
-    first, last = parser.feed(text), parser.finish()
-    content = first.content + last.content
+    content = parser.step(text, last=True).content
     return (content if content or not parser.calls else None), parser.calls

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from gateway.api.messages.protocol import AnthropicMessage, MessagesUsage
-from gateway.api.serving import fed
+from gateway.api.serving import cached_tokens, fed
 from gateway.http.errors import APIError
 from gateway.http.streaming import typed_sse
 from gateway.pipeline import Generation
@@ -100,7 +100,7 @@ def _stop(gen: Generation, blocks: Blocks, reason: str | None) -> tuple[str, str
 
 
 def _usage(gen: Generation) -> MessagesUsage:
-    cached = min((o.cached_tokens for o in gen.last_outputs if o is not None), default=0)
+    cached = cached_tokens(gen)
     usage = gen.usage
     return MessagesUsage(
         input_tokens=usage.prompt_tokens - cached, output_tokens=usage.completion_tokens, cache_read_input_tokens=cached

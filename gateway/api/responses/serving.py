@@ -16,13 +16,13 @@ from typing import Any
 from gateway.api.logprobs import chat_logprobs
 from gateway.api.responses.protocol import ResponseObject, ResponsesRequest, ResponseUsage
 from gateway.api.responses.translate import item_id
-from gateway.api.serving import asked_logprobs, fed
+from gateway.api.serving import asked_logprobs, cached_tokens, fed
 from gateway.http.errors import APIError
 from gateway.http.streaming import typed_sse
 from gateway.pipeline import Generation
 from gateway.tool_calls import CallSpec, ParsedCall, Piece
 
-__all__ = ["Keep", "Output", "cached_tokens", "response_events", "response_object", "whole"]
+__all__ = ["Keep", "Output", "response_events", "response_object", "whole"]
 
 Keep = Callable[[ResponseObject], Awaitable[None]]  # stores a finished response (`store: true`)
 
@@ -112,11 +112,6 @@ def _part(text: str) -> dict[str, Any]:
 
 def _copy(item: dict[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(item))
-
-
-def cached_tokens(gen: Generation) -> int:
-    """Prompt tokens the engine's prefix cache served (0 for an answer from the response cache)."""
-    return min((o.cached_tokens for o in gen.last_outputs if o is not None), default=0)
 
 
 def response_object(body: ResponsesRequest, gen: Generation, items: list[dict], reason: str | None) -> ResponseObject:

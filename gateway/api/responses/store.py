@@ -14,7 +14,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from core.db.database import Database
-from core.db.models import StoredResponse
+from core.db.models import StoredResponse, as_utc
 from gateway.http.errors import APIError
 
 __all__ = ["ResponseStore", "Stored", "not_found"]
@@ -59,7 +59,7 @@ class ResponseStore:
         """The tenant's live stored response, or a 404."""
         with self.db.session() as s:
             row = s.get(StoredResponse, response_id)
-            if row is None or row.tenant_id != tenant_id or _utc(row.expires_at) <= datetime.now(UTC):
+            if row is None or row.tenant_id != tenant_id or as_utc(row.expires_at) <= datetime.now(UTC):
                 raise not_found(response_id, param)
             return Stored(row.response, row.input_items, row.context)
 
@@ -70,8 +70,3 @@ class ResponseStore:
             )
             if deleted.rowcount == 0:  # type: ignore[attr-defined]
                 raise not_found(response_id)
-
-
-def _utc(moment: datetime) -> datetime:
-    """SQLite hands timestamps back without their zone; they are UTC."""
-    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
