@@ -10,7 +10,7 @@ output parsed back into OpenAI's `tool_calls` (whole or streamed).
 from gateway.tool_calls.formats import HERMES, ToolFormat, fallback_messages, format_for, renders_tools
 from gateway.tool_calls.grammar import structural_tag
 from gateway.tool_calls.parser import CallParser, CallSpec, ParsedCall, Piece, parse_answer
-from gateway.tool_calls.request import ToolRequest, routing_turns, template_messages, tool_request
+from gateway.tool_calls.request import ToolRequest, function_tool, routing_turns, template_messages, tool_request
 
 __all__ = [
     "HERMES",
@@ -22,6 +22,7 @@ __all__ = [
     "ToolRequest",
     "fallback_messages",
     "format_for",
+    "function_tool",
     "parse_answer",
     "renders_tools",
     "routing_turns",

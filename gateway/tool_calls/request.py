@@ -9,11 +9,28 @@ grammar is compiled, `gateway.pipeline.prompts`.)
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import ValidationError
+
 from gateway.http.errors import invalid
-from gateway.http.schemas import ChatCompletionRequest, ChatMessage
+from gateway.http.schemas import ChatCompletionRequest, ChatMessage, Tool
+
+
+def function_tool(function: Mapping[str, Any], where: str, names: Mapping[str, str] | None = None) -> Tool:
+    """Another API's function tool as chat's `Tool` (its unset fields left out), or a 400 naming the bad field in
+    that API's words: `where` is the tool's place (`tools[2]`), `names` the chat field → its own field name."""
+    try:
+        return Tool.model_validate(
+            {"type": "function", "function": {k: v for k, v in function.items() if v is not None}}
+        )
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = [(names or {}).get(str(p), str(p)) for p in first["loc"] if p != "function"]
+        param = ".".join([where, *loc])
+        raise invalid(f"{param}: {first['msg']}", param=param, code="invalid_value") from None
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from gateway.api.messages.protocol import CountTokensRequest, MessagesRequest
 from gateway.http.errors import invalid
 from gateway.http.schemas import ChatCompletionRequest, Tool
+from gateway.tool_calls import function_tool
 
 __all__ = ["chat_request"]
 
@@ -141,15 +142,7 @@ def _tool(tool: dict[str, Any], where: str) -> Tool:
         "description": tool.get("description"),
         "parameters": tool.get("input_schema"),
     }
-    try:
-        return Tool.model_validate(
-            {"type": "function", "function": {k: v for k, v in function.items() if v is not None}}
-        )
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = [{"parameters": "input_schema"}.get(str(p), str(p)) for p in first["loc"] if p != "function"]
-        param = ".".join([where, *loc])
-        raise invalid(f"{param}: {first['msg']}", param=param, code="invalid_value") from None
+    return function_tool(function, where, {"parameters": "input_schema"})
 
 
 def _tool_choice(choice: dict[str, Any]) -> dict[str, Any]:

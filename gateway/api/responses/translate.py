@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from gateway.api.responses.protocol import MAX_INPUT_ITEMS, ResponsesRequest
 from gateway.http.errors import invalid
 from gateway.http.schemas import ChatCompletionRequest, ChatMessage, Tool
+from gateway.tool_calls import function_tool
 
 __all__ = ["chat_request", "input_items", "item_id"]
 
@@ -183,14 +184,7 @@ def _tool(tool: dict[str, Any], where: str) -> Tool:
             param=f"{where}.type",
             code="unsupported_tool",
         )
-    function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
-    try:
-        return Tool.model_validate({"type": "function", "function": function})
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = [str(p) for p in first["loc"] if p != "function"]
-        param = ".".join([where, *loc])
-        raise invalid(f"{param}: {first['msg']}", param=param, code="invalid_value") from None
+    return function_tool({k: tool.get(k) for k in ("name", "description", "parameters", "strict")}, where)
 
 
 def _tool_choice(choice: str | dict[str, Any]) -> Any:
