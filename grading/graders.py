@@ -93,3 +93,23 @@ def parse_verdict(reply: str) -> bool | None:
     """The judge's first standalone "yes" or "no" (any case, any markup around it); None if it gave neither."""
     match = _VERDICT.search(reply)
     return None if match is None else match.group(1).lower() == "yes"
+
+
+_NUMBERS = re.compile(r"\d+(?:[.,]\d+)*")
+_WORD_PROBLEM = re.compile(
+    r"\b(?:how many|how much|how long|how far|how old|what is the total|calculate|compute|solve|percent|average)\b",
+    re.I,
+)
+
+
+def number_agreement(question: str, reference: str, candidate: str) -> bool | None:
+    """For a word problem (two numbers or more and a question that asks for a quantity, not code): whether
+    the candidate's final number is the reference's, as GSM8K is graded; None where that check does not
+    apply (no word problem, or either answer ends in no number): the judge decides then. A number against
+    a number needs no judge, and a lenient one says yes to a wrong total worded well."""
+    if len(_NUMBERS.findall(question)) < 2 or not _WORD_PROBLEM.search(question) or "```" in question:
+        return None
+    want, got = extract_answer(reference), extract_answer(candidate)
+    if want is None or got is None:
+        return None
+    return want == got

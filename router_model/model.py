@@ -22,6 +22,8 @@ from engines.checkpoints.fetch import sha256_file
 from router_model.encoder import RouterEncoder
 from router_model.features import FEATURE_VERSION, Messages, featurize
 from router_model.hidden import HiddenSpec
+from router_model.kinds import TEXT, request_kind
+from router_model.regions import Regions
 
 TINY, SMALL, LARGE = "tiny", "small", "large"
 MODEL_FILE, METADATA_FILE = "router.joblib", "router.json"
@@ -44,6 +46,20 @@ class RouterLoadError(ValueError):
     """A saved router that this code cannot use."""
 
 
+@dataclass(frozen=True)
+class Assessment:
+    """What the router knows about one conversation: P(good enough) per tier it predicts, the region of its
+    labels the prompt lies in, the request's kind, and whether its labels cover it (`why` not: "tools" for a
+    kind without labels, "far" for a prompt unlike every labeled one)."""
+
+    p_ok: dict[str, float]
+    region: int | None = None  # None: a router trained before regions
+    kind: str = TEXT
+    distance: float | None = None
+    known: bool = True
+    why: str = ""
+
+
 @dataclass
 class Router:
     """Predicts P(small tier is good enough) and routes: large when it falls below the threshold.
@@ -58,6 +74,7 @@ class Router:
     embedder: Embedder = field(default_factory=RouterEncoder)
     hidden_classifier: object | None = None
     cheaper: dict[str, tuple[object, object | None]] = field(default_factory=dict)
+    regions: Regions | None = None  # where its labeled prompts lie (`router_model.regions`); None: an older router
     # `threshold_for_floor` by ratio: a tenant's floor is asked on every routed request, the curve is fixed
     _floors: dict[tuple[float, bool], tuple[float, float] | None] = field(
         default_factory=dict, init=False, repr=False, compare=False
@@ -72,21 +89,39 @@ class Router:
     def p_ok(self, messages: Messages, hidden: np.ndarray | None = None) -> dict[str, float]:
         """P(the tier's answer is good enough) for one conversation: small, and each cheaper tier. From the
         hidden state where given (and a classifier reads it), else from the text features."""
+        return self.assess(messages, hidden).p_ok
+
+    def assess(self, messages: Messages, hidden: np.ndarray | None = None) -> Assessment:
+        """P(good enough) per tier (`p_ok`), and where the prompt lies among the labels: its region, kind and
+        whether the labels cover it (a kind they hold, within the regions' radius of a labeled prompt)."""
         state = None if hidden is None else np.asarray(hidden, np.float32).reshape(1, -1)
         text: np.ndarray | None = None
 
-        def score(text_model: object, hidden_model: object | None) -> float:
+        def features() -> np.ndarray:
             nonlocal text
-            if state is not None and hidden_model is not None:
-                return float(predict_p_small_ok(hidden_model, state)[0])
             if text is None:
                 text = featurize([messages], self.embedder)
-            return float(predict_p_small_ok(text_model, text)[0])
+            return text
+
+        def score(text_model: object, hidden_model: object | None) -> float:
+            if state is not None and hidden_model is not None:
+                return float(predict_p_small_ok(hidden_model, state)[0])
+            return float(predict_p_small_ok(text_model, features())[0])
 
         out = {SMALL: score(self.classifier, self.hidden_classifier)}
         for tier, (text_model, hidden_model) in self.cheaper.items():
             out[tier] = score(text_model, hidden_model)
-        return out
+        kind = request_kind(messages)
+        if self.regions is None:
+            return Assessment(out, kind=kind, known=kind in self.kinds, why="" if kind in self.kinds else kind)
+        place = self.regions.place(features())[0]
+        why = kind if kind not in self.kinds else ("" if place.known else "far")
+        return Assessment(out, place.region, kind, round(place.distance, 4), not why, why)
+
+    @property
+    def kinds(self) -> list[str]:
+        """The kinds of request its labels hold (`router_model.kinds`); text for a router that did not record them."""
+        return list(self.metadata.get("kinds") or [TEXT])
 
     @property
     def threshold(self) -> float:
@@ -183,7 +218,9 @@ def save_router(router: Router, directory: Path) -> Path:
     directory = Path(directory).expanduser()
     directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / f".{MODEL_FILE}.{os.getpid()}"
-    joblib.dump({"format": 2, "small": (router.classifier, router.hidden_classifier), "cheaper": router.cheaper}, tmp)
+    stored = {"format": 2, "small": (router.classifier, router.hidden_classifier), "cheaper": router.cheaper,
+              "regions": router.regions}  # fmt: skip
+    joblib.dump(stored, tmp)
     router.metadata["model_sha256"] = sha256_file(tmp)
     os.replace(tmp, directory / MODEL_FILE)
     write_metadata(router.metadata, directory)
@@ -228,5 +265,6 @@ def load_router(directory: Path, embedder: Embedder | None = None) -> Router:
     stored = joblib.load(model)
     if isinstance(stored, dict) and stored.get("format") == 2:
         (text, hidden), cheaper = stored["small"], stored["cheaper"]
-        return Router(text, metadata, embedder or RouterEncoder(), hidden_classifier=hidden, cheaper=cheaper)
+        return Router(text, metadata, embedder or RouterEncoder(), hidden_classifier=hidden, cheaper=cheaper,
+                      regions=stored.get("regions"))  # fmt: skip
     return Router(stored, metadata, embedder or RouterEncoder())  # a text-only router from before tiers

@@ -120,6 +120,8 @@ class TenantVerdicts:
         since tiny answers are judged too; older rows judged the small tier's)."""
         for row in rows:
             tier = str(row.get("served", "small"))
+            if row.get("direction", "shadow") != "shadow":  # an explore row judged a tier that did not serve
+                continue
             if row.get("source") == "live" and isinstance(row.get("tenant"), str) and f"{tier}_ok" in row:
                 self.add(row["tenant"], bool(row[f"{tier}_ok"]), tier)
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from router_model.features import Messages
-from router_model.model import Router, load_router
+from router_model.model import Assessment, Router, load_router
 
 
 class RouterService:
@@ -45,6 +45,10 @@ class RouterService:
         """P(good enough) per tier the router predicts (small, and tiny where trained), from `hidden` (the
         small tier's state of the conversation) where given, else from the text."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, self.router.p_ok, conversation, hidden)
+
+    async def assess(self, conversation: Messages, hidden: np.ndarray | None = None) -> Assessment:
+        """`p_ok`, and where the conversation lies among the router's labels (`Router.assess`)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.router.assess, conversation, hidden)
 
     def _score(self, conversation: Messages) -> float:
         return float(self.router.p_small_ok([conversation])[0])

@@ -37,7 +37,9 @@ from router_model.examples import (
 )
 from router_model.features import CHEAP_FEATURES, FEATURE_VERSION, featurize
 from router_model.hidden import HiddenSpec
+from router_model.kinds import kinds_of
 from router_model.model import Router, predict_p_small_ok
+from router_model.regions import fit_regions
 
 ALL_CANDIDATES = CANDIDATES | HIDDEN_CANDIDATES
 
@@ -118,8 +120,7 @@ def train_router(
             _nan_low(scores[text.name].cv_auc),
         ):
             best = found
-    held_p = best.heldout_p
-    threshold = threshold_for_share(held_p, large_share)
+    threshold = threshold_for_share(held_p := best.heldout_p, large_share)
     uses_hidden = best is not text
     tiers = _cheaper_tiers(
         train, x_train, hidden.train if uses_hidden and hidden else None, text.name, best.name, seed, folds
@@ -164,7 +165,13 @@ def train_router(
         text.model, metadata, embedder, hidden_classifier=best.model if uses_hidden else None,
         cheaper={name: (t, h) for name, (t, h, _) in tiers.items()},
     )  # fmt: skip
+    router.regions, metadata["kinds"] = fit_regions(np.vstack([x_train, x_held]), seed), _kinds(train, heldout)
     return TrainResult(router, scores, list(heldout), held_p)
+
+
+def _kinds(train: Sequence[Example], heldout: Sequence[Example]) -> list[str]:
+    """The kinds of request the labels hold (`router_model.kinds`): a kind without labels is out of distribution."""
+    return kinds_of(e.messages for e in (*train, *heldout))
 
 
 def _tiny_curve(
