@@ -60,6 +60,26 @@ class FloorRecalibration(_Strict):
     high: float = Field(ge=0.0, le=1.0, description="the upper end of that estimate's 95% interval")
 
 
+class LearnedRouting(_Strict):
+    """What the gateway learned from a tenant's own verdicts (`gateway.routing.learning`): the cells' counts its
+    routing reads (`router_model.tenant_layer`), for one router and the tier identities they were judged on,
+    and the threshold that keeps the floor on the tenant's mix. A snapshot, saved as a policy version: every
+    replica routes alike, and each move is audited and can be rolled back."""
+
+    router: str = Field(description="the id of the router whose regions the cells name")
+    threshold: float = Field(ge=0.0, le=1.0, description="a tier serves when its posterior P(good enough) reaches it")
+    identities: dict[str, str] = Field(description="tier → model@weights/dtype the verdicts judged")
+    cells: dict[str, dict[str, tuple[int, int]]] = Field(description="kind/region → tier → (good enough, judged)")
+    verdicts: int = Field(ge=0, description="the verdicts it was learned from")
+    shadow_judged: int = Field(0, ge=0, description="the tenant's shadow verdicts then: its estimate restarts there")
+    ratio: float = Field(ge=0.0, le=1.0, description="the estimated quality ratio on the tenant's mix")
+    low: float = Field(ge=-1.0, le=1.0, description="its 95% lower end")
+    large_share: float = Field(ge=0.0, le=1.0, description="the share of the tenant's recent prompts it sends large")
+    large_share_before: float = Field(ge=0.0, le=1.0, description="the share the routing before it sent large")
+    prompts: int = Field(ge=0, description="the tenant's recent routed prompts it was estimated on")
+    made: float = Field(ge=0.0, description="epoch seconds")
+
+
 class RouterSettings(_Strict):
     """The learned router (`model: "auto"`): a request goes to the large tier when P(small is good enough)
     falls below the threshold. Mode "quality_ratio" (the default): the threshold that holds `auto` to
@@ -96,7 +116,26 @@ class RouterSettings(_Strict):
         description="until the tenant has this many verdicts since its last recalibration, answers are drawn at "
         "half or more (gateway.routing.shadow.WARMUP_SHARE) so that its estimate is worth reading early; 0: no warm-up",
     )
-    shadow_billed: bool = Field(False, description="shadow runs are priced and count against the budgets")
+    shadow_billed: bool = Field(False, description="shadow and explore runs are priced and count against the budgets")
+    explore_share: float = Field(
+        0.05,
+        ge=0.0,
+        le=1.0,
+        description="share of routed large-tier answers also run on the cheaper tiers and judged against large's",
+    )
+    explore_warmup: int = Field(
+        50,
+        ge=0,
+        le=10_000,
+        description="until the tenant has this many explore verdicts, large answers are explored at half or more",
+    )
+    learn: bool = Field(
+        True, description="route by the tenant's own verdicts once they clear the floor (mode quality_ratio)"
+    )
+    learned: LearnedRouting | None = None
+    learn_since: float = Field(
+        0.0, ge=0.0, description="epoch seconds: verdicts before this are not learned from (a reset)"
+    )
 
     @property
     def floor(self) -> float:

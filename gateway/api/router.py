@@ -6,11 +6,15 @@ own tenant's window only.
 
 from __future__ import annotations
 
+from typing import Any
+
+import anyio
 from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
-from gateway.api.auth import AdminPrincipal
-from gateway.api.deps import PipelineDep
+from gateway.api.auth import AdminPrincipal, visible_tenant
+from gateway.api.deps import DatabaseDep, PipelineDep
+from gateway.api.params import TenantName
 from gateway.http.errors import documented
 
 router = APIRouter(prefix="/v1", tags=["admin"], responses=documented(400, 401, 403, 413, 503))
@@ -51,6 +55,31 @@ class Quality(BaseModel):
     recalibration: Recalibration | None = Field(description="the last recalibration toward large, if any")
 
 
+class Spend(BaseModel):
+    runs: int = Field(description="runs judged (the label log's included)")
+    cost_usd: str = Field(description="what they cost at the tenant's prices, whoever paid (a decimal)")
+    share: float | None = Field(None, description="explore: the share of large answers explored now")
+
+
+class Learning(BaseModel):
+    """What the tenant's own verdicts teach its routing (`gateway.routing.learning`)."""
+
+    learn: bool = Field(description="the policy lets its verdicts move its routing")
+    active: bool = Field(description="a learned routing applies now (this router, these tiers)")
+    threshold: float | None = Field(description="its threshold on the posterior P(good enough)")
+    learned: dict[str, Any] | None = Field(description="the learned routing as saved in the policy, its cells left out")
+    verdicts: int = Field(description="verdicts for the current tiers and router since the last reset")
+    fresh: int = Field(description="of them, those since the last learning")
+    cells: dict[str, dict[str, list[int]]] = Field(description="kind/region → tier → [good enough, judged]")
+    curve: list[list[float]] = Field(
+        description="on the tenant's recent prompts: [threshold, large share, quality ratio]"
+    )
+    curve_threshold: float | None = Field(description="the threshold a learning now would pick (None: none clears)")
+    prompts: int = Field(description="recent routed prompts the curve is estimated on")
+    shadow: Spend
+    explore: Spend
+
+
 class Shares(BaseModel):
     decisions: int = Field(description="routing decisions in the window (the last 1,000)")
     large_share: float | None = Field(description="of them, the share sent to the large tier by the router")
@@ -60,6 +89,7 @@ class Shares(BaseModel):
     quality: Quality | None = Field(
         None, description="per tenant: its quality floor and the quality measured on its shadow runs"
     )
+    learning: Learning | None = Field(None, description="per tenant: what its own verdicts teach its routing")
 
 
 class RouterInfo(BaseModel):
@@ -92,3 +122,20 @@ async def router_stats(pipeline: PipelineDep, principal: AdminPrincipal) -> Rout
     """The loaded router and its drift: large-tier share over the last decisions against the calibrated share."""
     visible = None if principal.operator else {principal.tenant_name}
     return RouterStats.model_validate(pipeline.routing.stats(visible))
+
+
+class LearningReset(BaseModel):
+    tenant: str
+    version: int = Field(description="the policy version that holds the reset")
+    learn_since: float = Field(description="epoch seconds: verdicts from before are not learned from again")
+
+
+@router.post("/admin/router/tenants/{tenant}/learning/reset", response_model=LearningReset, responses=documented(404))
+async def reset_learning(
+    tenant: TenantName, db: DatabaseDep, pipeline: PipelineDep, principal: AdminPrincipal
+) -> LearningReset:
+    """Forget what the tenant's own verdicts taught its routing: a new policy version (audited as
+    `policy.reset_learning`) without the learned routing, learning again only from verdicts that come after."""
+    found = await anyio.to_thread.run_sync(visible_tenant, db, principal, tenant)
+    saved = await pipeline.routing.learning.reset(found.id, principal.actor)
+    return LearningReset(tenant=found.name, version=saved.version, learn_since=saved.policy.router.learn_since)

@@ -100,7 +100,10 @@ async def respond(
     elif plan.route is not None:
         headers[ROUTE_P_HEADER] = f"{plan.route.p_small_ok:.3f}"
         predicted = ",".join(f"{tier}={p:.3f}" for tier, p in sorted(plan.route.p_ok.items()))
-        headers[ROUTE_HEADER] = f"{predicted}; {plan.route.features}"
+        notes = [plan.route.features, *(["learned"] if plan.route.learned else [])]
+        if not plan.route.known:  # unlike the router's labels: not below a tier whose quality is known for it
+            notes.append(f"unknown {plan.route.why}")
+        headers[ROUTE_HEADER] = f"{predicted}; {'; '.join(notes)}"
         headers["x-switchboard-route-ms"] = f"{plan.route.seconds * 1000:.1f}"
     watch = partial(until_disconnect, request)
     try:

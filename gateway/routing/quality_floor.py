@@ -26,6 +26,16 @@ from router_model.quality import QualityEstimate, ServedTiers, TenantVerdicts, e
 
 log = logging.getLogger(__name__)
 
+
+def estimate_since(router: RouterSettings) -> int:
+    """The tenant's shadow verdicts before its estimate's start: its last recalibration toward large, or its last
+    learned routing (`gateway.routing.learning`), whichever came later; the estimate and the warm-up count
+    only what came after."""
+    recalibrated = router.recalibration.judged if router.recalibration is not None else 0
+    learned = router.learned.shadow_judged if router.learned is not None else 0
+    return max(recalibrated, learned)
+
+
 ACTOR = "switchboard"  # who the audit log says changed the policy
 ACTION = "policy.recalibrate"
 
@@ -36,30 +46,32 @@ class QualityFloor:
         self.policies = policies
         self.served = ServedTiers()
         self._lock = asyncio.Lock()  # one recalibration at a time: two verdicts must not both raise the aim
-        self._policies: dict[str, RouterSettings] = {}  # tenant → the router settings its last request ran under
+        self.policies_seen: dict[str, Policy] = {}  # tenant → the policy its last routed request ran under
 
     def add(self, tenant: str, tier: str, policy: Policy) -> None:
         """A routed request of `tenant` went to `tier` under `policy`."""
         self.served.add(tenant, tier)
-        self._policies[tenant] = policy.router
+        self.policies_seen[tenant] = policy
 
     def estimate(self, tenant: str, policy: Policy | None = None) -> QualityEstimate | None:
         """The tenant's quality against always-large under its policy (default: the one its last routed
         request ran under), on its verdicts since its last recalibration; None before its first routed
         request or first verdict."""
         shares = self.served.shares(tenant)
-        router = policy.router if policy is not None else self._policies.get(tenant)
+        seen = self.policies_seen.get(tenant)
+        router = policy.router if policy is not None else seen.router if seen is not None else None
         if not shares or router is None:
             return None
-        since = router.recalibration.judged if router.recalibration is not None else 0
+        since = estimate_since(router)
         cheaper = {tier: share for tier, share in shares.items() if tier != LARGE}
         return estimate(cheaper, self.verdicts.counts(tenant, since))
 
     def summary(self, tenant: str) -> dict[str, object] | None:
         """What `GET /v1/admin/router` and the console show: the estimate beside the floor it is held to."""
-        router = self._policies.get(tenant)
-        if router is None:
+        seen = self.policies_seen.get(tenant)
+        if seen is None:
             return None
+        router = seen.router
         found = self.estimate(tenant)
         floor = router.quality_ratio if router.mode == "quality_ratio" else None
         out: dict[str, object] = {"floor": floor, "aimed_at": router.floor if floor is not None else None}
@@ -89,6 +101,7 @@ class QualityFloor:
             )  # fmt: skip
             body = current.policy.model_dump(mode="json")
             body["router"]["recalibration"] = recalibration.model_dump(mode="json")
+            body["router"]["learned"] = None  # routing learned on verdicts the estimate now finds short goes too
             policy = Policy.model_validate(body)
             note = (
                 f"estimated quality {found.ratio:.3f} (95% CI {found.low:.3f}-{found.high:.3f}, {found.judged} "
@@ -97,5 +110,5 @@ class QualityFloor:
             store = self.policies
             version = await anyio.to_thread.run_sync(lambda: store.save(tenant_id, policy, ACTOR, note, ACTION))
             log.warning("tenant %s recalibrated toward large (policy v%d): %s", tenant, version, note)
-            self._policies[tenant] = policy.router
+            self.policies_seen[tenant] = policy
             return Versioned(version, policy, note, ACTOR)

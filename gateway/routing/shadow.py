@@ -48,6 +48,7 @@ from engines.sampling import SamplingParams
 from gateway.accounting.ledger import Ledger
 from gateway.accounting.metrics import Metrics
 from gateway.http.errors import from_budget
+from gateway.routing.quality_floor import estimate_since
 from gateway.routing.shadow_rows import (
     Answer,
     Failed,
@@ -56,9 +57,10 @@ from gateway.routing.shadow_rows import (
     Spent,
     label_row,
     labels_path,
+    run_cost,
     shadow_usage,
 )
-from grading.graders import judge_messages, parse_verdict
+from grading.graders import judge_messages, number_agreement, parse_verdict
 from policies.budgets import BudgetError, Budgets, Reservation
 from policies.pricing import worst_case
 from policies.store import Versioned
@@ -67,6 +69,7 @@ from router_model.label import JUDGE_MAX_TOKENS, MAX_TOKENS
 from router_model.label_store import Row, open_appender, read_rows
 from router_model.model import LARGE, SMALL, TINY
 from router_model.quality import TenantVerdicts
+from router_model.tenant_layer import LearningVerdicts, verdict_of
 
 log = logging.getLogger(__name__)
 
@@ -100,9 +103,12 @@ class Relabeler:
         self._tasks: set[asyncio.Task[Row | None]] = set()
         self._running: Counter[str] = Counter()  # tenant → shadow runs under way (the event loop's thread only)
         self.verdicts = TenantVerdicts()  # per tenant: the shadow verdicts so far, the log's included
+        self.learning = LearningVerdicts()  # per tenant: shadow and explore verdicts by cell, for its layer
         self.on_verdict: Callable[[int, str], Awaitable[object]] | None = None  # (tenant id, name) after each row
         try:
-            self.verdicts.load(read_rows(self.path))
+            rows = read_rows(self.path)
+            self.verdicts.load(rows)
+            self.learning.load(rows)
         except ValueError as exc:  # a damaged log: the estimates start over rather than the gateway failing
             log.warning("tenant quality estimates start empty: %s", exc)
 
@@ -112,8 +118,7 @@ class Relabeler:
         router = policy.policy.router
         if router.shadow_share <= 0:  # the tenant turned the estimate off: no warm-up either
             return 0.0
-        since = router.recalibration.judged if router.recalibration is not None else 0
-        fresh = max(0, self.verdicts.judged(tenant) - since) + self._running[tenant]
+        fresh = max(0, self.verdicts.judged(tenant) - estimate_since(router)) + self._running[tenant]
         return max(router.shadow_share, WARMUP_SHARE) if fresh < router.shadow_warmup else router.shadow_share
 
     def wants(self, policy: Versioned, served_by: str, tenant: str) -> bool:
@@ -183,8 +188,9 @@ class Relabeler:
         if status != "ok":
             return None
         seconds = time.perf_counter() - clock
-        row = label_row(job, len(prompt), spent, good_enough, verdict, seconds, started, self.settings.tiers)
-        await anyio.to_thread.run_sync(self._append, row)
+        row = label_row(job, len(prompt), spent, good_enough, verdict, seconds, started, self.settings.tiers,
+                        run_cost(usage))  # fmt: skip
+        await anyio.to_thread.run_sync(self.append, row)
         if self.on_verdict is not None:
             await self.on_verdict(job.tenant_id, job.tenant)
         return row
@@ -209,19 +215,29 @@ class Relabeler:
         """The large tier's answer, then (unless identical) the judge's verdict on the served tier's: (good
         enough, the verdict's text). What ran goes into `spent` as it finishes, failed runs included."""
         try:
-            spent.large = await self._generate(engine, f"{rid}-large", prompt, max_tokens, job.tenant_id)
+            spent.large = await self.generate(engine, f"{rid}-large", prompt, max_tokens, job.tenant_id)
         except Failed as failed:
             spent.large = failed.answer
             raise
-        if spent.large.text.strip() == job.answer_text.strip():
+        return await self.judge(engine, f"{rid}-judge", job, spent.large.text, job.answer_text, spent)
+
+    async def judge(
+        self, engine: TierEngine, rid: str, job: ShadowJob, reference: str, answer: str, spent: Spent
+    ) -> tuple[bool, str | None]:
+        """Whether `answer` is as good as the large tier's `reference` to the job's question: identical needs no
+        judge, else the large tier (`engine`) judges as `router label` does. (good enough, the verdict's text);
+        the judge's run goes into `spent.judge`."""
+        if reference.strip() == answer.strip():
             return True, None
         question = split_conversation(job.messages)[0]
-        judging = await anyio.to_thread.run_sync(
-            engine.tokenizer.encode_chat, judge_messages(question, spent.large.text, job.answer_text)
-        )
+        agree = number_agreement(question, reference, answer)
+        if agree is not None:  # a word problem: its final numbers decide, as GSM8K is graded
+            return agree, None
+        asked = judge_messages(question, reference, answer)
+        judging = await anyio.to_thread.run_sync(engine.tokenizer.encode_chat, asked)
         try:
             engine.check(judging, JUDGE_MAX_TOKENS)
-            spent.judge = await self._generate(engine, f"{rid}-judge", judging, JUDGE_MAX_TOKENS, job.tenant_id)
+            spent.judge = await self.generate(engine, rid, judging, JUDGE_MAX_TOKENS, job.tenant_id)
         except RequestRejected:
             spent.judge = Answer()  # as `router label`: an unread comparison is no "yes"
         except Failed as failed:
@@ -229,7 +245,7 @@ class Relabeler:
             raise
         return parse_verdict(spent.judge.text) is True, spent.judge.text
 
-    async def _generate(
+    async def generate(
         self, engine: TierEngine, request_id: str, prompt: list[int], max_tokens: int, tenant_id: int
     ) -> Answer:
         salt = f"tenant:{tenant_id}" if self.settings.prefix_cache_scope == "tenant" else ""
@@ -265,10 +281,16 @@ class Relabeler:
             raise Failed(answer)
         return answer
 
-    def _append(self, row: Row) -> None:
+    def append(self, row: Row) -> None:
+        """Write a label row (shadow or explore) and count its verdict: the estimate counts shadow rows only
+        (they judge what was served), the tenant's layer both."""
         with self._append_lock, open_appender(self.path) as append:
             append(row)
-        self.verdicts.add(row["tenant"], row[f"{row['served']}_ok"], row["served"])
+        if row.get("direction", "shadow") == "shadow":
+            self.verdicts.add(row["tenant"], row[f"{row['served']}_ok"], row["served"])
+        verdict = verdict_of(row)
+        if verdict is not None:
+            self.learning.add(str(row["tenant"]), verdict)
 
     async def close(self, timeout: float = 30.0) -> None:
         """Let running shadow runs finish (each writes its row), then cancel what is left."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from decimal import Decimal
 from pathlib import Path
 
 from core.settings import Settings, TierSettings
@@ -34,6 +35,7 @@ __all__ = [
     "Spent",
     "label_row",
     "labels_path",
+    "run_cost",
     "shadow_record",
     "shadow_usage",
 ]
@@ -62,6 +64,9 @@ class ShadowJob:
     answer_finish: str | None
     max_tokens: int  # what the live request was allowed
     served: str = SMALL  # the tier that answered
+    cell: str | None = None  # where the router placed the prompt (`router_model.tenant_layer.cell_of`)
+    router: str = ""  # the id of the router that placed it
+    explore: tuple[str, ...] = ()  # a large-served request: the cheaper tiers to run it on (`gateway.routing.explore`)
 
 
 @dataclass
@@ -125,13 +130,17 @@ def label_row(
     seconds: float,
     started: float,
     tiers: Mapping[str, TierSettings],
+    cost: Decimal = Decimal(0),
 ) -> Row:
     """The label row, in `router label`'s format (for the tier that served) plus the live request's: the
-    large tier's `judged` verdict text (None: the answers were identical), `started` in epoch seconds."""
+    large tier's `judged` verdict text (None: the answers were identical), `started` in epoch seconds, the
+    prompt's `cell` and `router` (what the tenant's layer counts it in), `cost_usd` (the run at the tenant's
+    prices, whoever pays)."""
     large, judge, served = spent.large, spent.judge, job.served
     row: Row = {
         "id": f"live/{job.request_id}",
         "source": "live",
+        "direction": "shadow",
         "served": served,
         f"{served}_ok": good_enough,
         "large_ok": True,  # the reference, as for open chat in `router label`
@@ -154,7 +163,10 @@ def label_row(
         "tenant_id": job.tenant_id,
         "tenant": job.tenant,
         "started": started,
+        "cost_usd": str(cost),
     }
+    if job.cell is not None:
+        row |= {"cell": job.cell, "router": job.router}
     if job.policy.policy.router.store_prompts:  # the conversation only where the tenant lets us keep it
         row["messages"] = job.messages
     return row
@@ -177,10 +189,16 @@ class ShadowUsage:
     status: str  # ok | aborted | error
     seconds: float
     billed: bool  # the tenant's policy bills shadow runs (`router.shadow_billed`); else the operator pays
+    route: str = "shadow"  # the ledger's route: "shadow", or "explore" (`gateway.routing.explore`)
+
+
+def run_cost(run: ShadowUsage) -> Decimal:
+    """What the run cost at the tenant's prices, whoever pays (the label row's `cost_usd`)."""
+    return charge_shadow(run.policy.policy, run.tier, run.tokens).cost
 
 
 def shadow_record(run: ShadowUsage) -> tuple[UsageRecord, Tokens]:
-    """A shadow run's ledger row (`route = "shadow"`), and the tokens it settles. Unbilled, the row records
+    """A shadow or explore run's ledger row (`route`), and the tokens it settles. Unbilled, the row records
     the run with zero tokens and zero money: the ledger's tokens and money are the tenant's bill."""
     tokens = run.tokens if run.billed else Tokens(prompt=0, completion=0)
     price = charge_shadow(run.policy.policy, run.tier, tokens)  # saved_verifier and saved_policy: 0, nothing cut
@@ -200,7 +218,7 @@ def shadow_record(run: ShadowUsage) -> tuple[UsageRecord, Tokens]:
             cached_prompt=tokens.cached_prompt,
             effective_max=run.max_tokens,
         ),
-        decisions=Decisions(cache_status="bypass", route="shadow", policy_version=run.policy.version),
+        decisions=Decisions(cache_status="bypass", route=run.route, policy_version=run.policy.version),
         charge=price,
     )
     return rec, tokens
@@ -215,9 +233,16 @@ class ShadowMeter:
         self.metrics = metrics
 
     async def bill(self, run: ShadowUsage, reservation: Reservation | None) -> None:
-        rec, tokens = shadow_record(run)
-        if self.metrics is not None:
-            self.metrics.record_request(rec, None, run.seconds)
-        await self.ledger.write(rec)
+        await self.bill_all([run], reservation)
+
+    async def bill_all(self, runs: list[ShadowUsage], reservation: Reservation | None) -> None:
+        """One row per run (an explore run's tier answer and its judge), the reservation settled to their sum."""
+        cost, spent = Decimal(0), 0
+        for run in runs:
+            rec, tokens = shadow_record(run)
+            if self.metrics is not None:
+                self.metrics.record_request(rec, None, run.seconds)
+            await self.ledger.write(rec)
+            cost, spent = cost + rec.cost, spent + tokens.prompt + tokens.completion
         if reservation is not None:
-            await self.budgets.settle(reservation, rec.cost, tokens.prompt + tokens.completion)
+            await self.budgets.settle(reservation, cost, spent)

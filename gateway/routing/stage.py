@@ -37,17 +37,21 @@ import numpy as np
 from engines.protocol import TierEngine
 from gateway.accounting.tenants import Principal
 from gateway.http.errors import APIError
+from gateway.routing.explore import Explorer
 from gateway.routing.hidden import HiddenStateSource
+from gateway.routing.learning import TenantLearning
 from gateway.routing.quality_floor import QualityFloor
 from gateway.routing.tier_lock import TierLocks
 from policies.policy import Policy
-from policies.store import PolicyStore
+from policies.store import PolicyStore, Versioned
 from router_model.drift import LargeShareWindow, Shares
 from router_model.features import Messages
-from router_model.model import LARGE, SMALL, TINY, RouterLoadError, cheapest_tier
+from router_model.kinds import TEXT
+from router_model.model import LARGE, SMALL, TINY, Assessment, RouterLoadError, cheapest_tier
 from router_model.quality import TenantVerdicts
 from router_model.routed_prompts import RoutedPromptStore
 from router_model.serving import RouterService
+from router_model.tenant_layer import LearningVerdicts, Seen, cell_of, posterior_p_ok
 
 if TYPE_CHECKING:
     from gateway.routing.shadow import Relabeler
@@ -68,8 +72,14 @@ class RouteDecision:
     threshold_from: str  # policy | tenant | floor | global
     calibrated_large_share: float | None  # what the threshold was calibrated to send large; None: a fixed one
     seconds: float  # the decision's time, queueing for the router thread included
-    p_ok: dict[str, float] = field(default_factory=dict)  # P(good enough) per tier the router predicts
+    p_ok: dict[str, float] = field(default_factory=dict)  # P(good enough) per tier (the tenant's posterior if learned)
     features: str = "text"  # "hidden": from the small tier's hidden state; "text": the text router decided
+    cell: str | None = None  # where the prompt lies (`router_model.tenant_layer.cell_of`): its verdicts count there
+    known: bool = True  # the router's labels cover it; else `why` ("tools", "far") and nothing below large unlearned
+    why: str = ""
+    learned: bool = False  # decided by the tenant's learned routing (`gateway.routing.learning`)
+    kind: str = TEXT
+    router: str = ""  # the id of the router that decided (its regions name `cell`)
 
 
 @dataclass(frozen=True)
@@ -103,8 +113,18 @@ class RoutingStage:
         self._background: set[asyncio.Task[None]] = set()
         self.hidden: HiddenStateSource | None = None  # the small tier's prefill, for routers trained on it
         self.floor = QualityFloor(relabeler.verdicts if relabeler is not None else TenantVerdicts(), policies)
+        self.explorer: Explorer | None = None
+        identities: dict[str, str] = {}
         if relabeler is not None:
-            relabeler.on_verdict = self.floor.check
+            self.explorer = Explorer(relabeler)
+            identities = self.explorer.identities
+            relabeler.on_verdict = self._after_verdict
+        self.learning = TenantLearning(
+            relabeler.learning if relabeler is not None else LearningVerdicts(),
+            self.floor.verdicts,
+            identities,
+            policies,
+        )
 
     @classmethod
     def load(
@@ -200,25 +220,41 @@ class RoutingStage:
         states: list[np.ndarray | None] = [None] * len(conversations)
         if spec is not None and self.hidden is not None:
             states = list(await asyncio.gather(*(self.hidden.state(spec, list(c), salt) for c in conversations)))
-        scored = await asyncio.gather(*(self.service.p_ok(c, s) for c, s in zip(conversations, states, strict=True)))
-        p_ok = {tier: min(p[tier] for p in scored) for tier in scored[0]}  # the hardest conversation decides
-        threshold, source, expected = self.threshold(policy, principal.tenant_name)
-        choice = cheapest_tier(p_ok, threshold, ladder)  # the router's own choice, before the policy's tiers
+        found = await asyncio.gather(*(self.service.assess(c, s) for c, s in zip(conversations, states, strict=True)))
+        place = _hardest(found)  # the hardest conversation decides, and is where its verdicts count
+        p_ok = {tier: min(a.p_ok[tier] for a in found) for tier in found[0].p_ok}
+        cell = cell_of(place.kind, place.region, place.known)
+        learned = self.learning.active(policy, router.id)
+        if learned is not None:  # the tenant's own verdicts, over the router's P, at the threshold they support
+            used = posterior_p_ok(p_ok, cell, place.known, learned.cells)
+            threshold, source, expected = learned.threshold, "learned", learned.large_share
+        else:
+            threshold, source, expected = self.threshold(policy, principal.tenant_name)
+            used = p_ok if place.known else dict.fromkeys(p_ok, 0.0)  # unlike the labels: nothing below large yet
+        choice = cheapest_tier(used, threshold, ladder)  # the router's own choice, before the policy's tiers
         self.drift.add(choice == LARGE, expected)
         self.tenant_drift.setdefault(principal.tenant_name, LargeShareWindow()).add(choice == LARGE, expected)
-        tier = choice if choice in tiers else cheapest_tier(p_ok, threshold, tiers)
+        tier = choice if choice in tiers else cheapest_tier(used, threshold, tiers)
         self.floor.add(principal.tenant_name, tier, policy)
-        used = all(s is not None for s in states) and spec is not None
-        return RouteDecision(
-            tier,
-            p_ok[SMALL],
-            threshold,
-            source,
-            expected,
-            time.perf_counter() - start,
-            p_ok,
-            "hidden" if used else "text",
+        self.learning.add(
+            principal.tenant_name, Seen(cell, place.known, {t: p for t, p in p_ok.items()}), tier == LARGE
         )
+        with_hidden = all(s is not None for s in states) and spec is not None
+        return RouteDecision(
+            tier, used[SMALL], threshold, source, expected, time.perf_counter() - start, used,
+            "hidden" if with_hidden else "text", cell, place.known, place.why, learned is not None, place.kind,
+            router.id,
+        )  # fmt: skip
+
+    async def _after_verdict(self, tenant_id: int, tenant: str) -> None:
+        """A shadow or explore verdict came: the floor's check toward large, then the tenant's learning."""
+        await self.floor.check(tenant_id, tenant)
+        if self.service is not None:
+            await self.learning.check(tenant_id, tenant, self.service.router.id, self._tiers)
+
+    def cheaper_tiers(self, policy: Policy) -> list[str]:
+        """The tiers below large this tenant's `auto` may pick: what a large-served request is explored on."""
+        return [t for t in self._ladders(policy)[1] if t != LARGE]
 
     def threshold(self, policy: Policy, tenant: str) -> tuple[float, str, float | None]:
         """(threshold, where it came from, the large share it was calibrated to send)."""
@@ -306,16 +342,36 @@ class RoutingStage:
                 out["hidden_states"] = dict(self.hidden.counts)
         out["drift"] = self.drift.shares().as_dict() if tenants is None else None
         out["tenants"] = {
-            name: window.shares().as_dict() | {"quality": self.floor.summary(name)}
+            name: window.shares().as_dict() | {"quality": self.floor.summary(name), "learning": self._learning(name)}
             for name, window in sorted(self.tenant_drift.items())
             if tenants is None or name in tenants
         }
         return out
 
+    def _learning(self, tenant: str) -> dict[str, object] | None:
+        """The tenant's learning under the policy its last routed request ran under (None before one)."""
+        policy = self.floor.policies_seen.get(tenant)
+        if policy is None or self.service is None:
+            return None
+        out = self.learning.summary(tenant, policy, self.service.router.id, self._tiers(policy))
+        explorer = self.explorer
+        share = explorer.share(Versioned(0, policy), tenant, self.service.router.id) if explorer is not None else 0.0
+        out["explore"] = {**out["explore"], "share": share}
+        return out
+
     async def close(self) -> None:
+        if self.explorer is not None:
+            await self.explorer.close()
         if self.relabeler is not None:
             await self.relabeler.close()
         if self._background:
             await asyncio.wait(list(self._background), timeout=10.0)
         if self.service is not None:
             self.service.close()
+
+
+def _hardest(found: Sequence[Assessment]) -> Assessment:
+    """The assessment that decides a request of several conversations: the lowest P(small ok), unless one is
+    unlike the labels (then the first such: it keeps the request off the cheaper tiers until learned)."""
+    unknown = [a for a in found if not a.known]
+    return unknown[0] if unknown else min(found, key=lambda a: a.p_ok[SMALL])

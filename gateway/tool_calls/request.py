@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from gateway.http.errors import invalid
 from gateway.http.schemas import ChatCompletionRequest, ChatMessage, Tool
+from router_model.kinds import TOOLS_NOTE
 
 
 def function_tool(function: Mapping[str, Any], where: str, names: Mapping[str, str] | None = None) -> Tool:
@@ -119,4 +120,4 @@ def routing_turns(tools: ToolRequest | None) -> list[dict[str, str]]:
     if tools is None:
         return []
     names = ", ".join(sorted(tools.names))
-    return [{"role": "system", "content": f"The assistant may call {len(tools.tools)} tools: {names}."}]
+    return [{"role": "system", "content": f"{TOOLS_NOTE} {len(tools.tools)} tools: {names}."}]

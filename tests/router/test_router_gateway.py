@@ -16,7 +16,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from decimal import Decimal
 from pathlib import Path
 from typing import Annotated, Any
@@ -43,7 +43,8 @@ from policies.policy import Policy, RouterSettings
 from policies.tune_prompts import tenant_prompts
 from router_model.drift import LargeShareWindow, Shares
 from router_model.encoder import RouterEncoder
-from router_model.examples import split_examples
+from router_model.examples import Example, split_examples
+from router_model.kinds import TOOLS_NOTE
 from router_model.model import load_router, read_metadata, save_router, write_metadata
 from router_model.routed_prompts import RoutedPromptStore
 from router_model.synthetic import synthetic_examples, write_label_file
@@ -58,9 +59,16 @@ HARD = (
 P_HEADER = "x-switchboard-route-p-small"
 
 
+def with_tools(e: Example) -> Example:
+    """The example asked with a tool offered: labels of the tools kind, so tool requests are in distribution."""
+    note = {"role": "system", "content": f"{TOOLS_NOTE} 1 tools: lookup."}
+    return replace(e, id=f"{e.id}/tools", messages=[note, *e.messages])
+
+
 @pytest.fixture(scope="module")
 def router_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     train, heldout = split_examples(synthetic_examples(200, seed=1), test_size=0.25, seed=0)
+    train = [*train, *(with_tools(e) for e in train[::3])]
     result = train_router(train, heldout, RouterEncoder(), seed=0, folds=2, candidates=("hist_gb",), large_share=0.4)
     return save_router(result.router, tmp_path_factory.mktemp("router") / "router")
 
@@ -110,8 +118,10 @@ class Gateway:
     loops: list[asyncio.AbstractEventLoop]
 
     def tenant(self, **router: Any) -> tuple[str, str, int]:
-        """A new tenant whose policy has these router settings (no shadow runs unless asked): (name, app key, id)."""
+        """A new tenant whose policy has these router settings (no shadow or explore runs unless asked): (name,
+        app key, id)."""
         router.setdefault("shadow_share", 0.0)
+        router.setdefault("explore_share", 0.0)
         name = f"t-{uuid.uuid4().hex[:10]}"
         issued = create_tenant(self.live.db, name)
         found = tenant_by_name(self.live.db, name)
@@ -132,9 +142,13 @@ class Gateway:
         )
 
     def labels(self) -> dict[str, dict]:
+        """The shadow label rows by request id."""
+        return {row["request_id"]: row for row in self.labels_all() if row.get("direction", "shadow") == "shadow"}
+
+    def labels_all(self) -> list[dict]:
+        """Every live label row, shadow and explore, in order."""
         path = self.home / LABELS_FILE
-        rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-        return {row["request_id"]: row for row in rows}
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
     def wait_for_label(self, request_id: str, timeout: float = 120.0) -> dict:
         deadline = time.monotonic() + timeout
