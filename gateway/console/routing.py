@@ -8,6 +8,11 @@ operating point in force against the proposed one, on the curve and in numbers, 
 before and after on the tenant's recent requests. Confirming saves exactly what was previewed as a new
 policy version (audited as `policy.update`, like the JSON editor), refused if the policy changed since
 the preview. Only `allowed_tiers` and `router` change; the JSON editor keeps everything else.
+
+Below the curve, what the gateway learned from the tenant's own verdicts (`routing_learning`), its curve drawn
+like the router's, and a reset: a policy version without the learned routing, learning again only from
+verdicts that come after (audited as `policy.reset_learning`, as `POST /v1/admin/router/tenants/{tenant}/
+learning/reset` does).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from core.db.models import Tenant
 from gateway.api.deps import DatabaseDep, PipelineDep, PolicyStoreDep
 from gateway.console.chart import curve_chart
 from gateway.console.render import AdminTenant, changes, page, redirect, router, tenant_url
+from gateway.console.routing_learning import section
 from gateway.console.routing_plan import (
     CurveData,
     FormValues,
@@ -145,7 +151,10 @@ async def _page(
         values=values,
         preview=preview,
         saved=small_int(request.query_params.get("saved")),
+        reset=small_int(request.query_params.get("reset")),
         quality=pipeline.routing.floor.summary(tenant.name),
+        learning=section(pipeline.routing, tenant.name, ctx.current.policy),
+        learned_saved=ctx.current.policy.router.learned is not None,
         **context,
     )
 
@@ -245,3 +254,22 @@ async def routing_confirm(
         why = "The policy changed at the same moment; review it again."
         return await _page(request, ctx, pipeline, t, status=409, errors=[{"param": None, "message": why}])
     return redirect(tenant_url(t.name, "/policy/routing"), saved=version)
+
+
+@router.post("/tenants/{name}/policy/routing/learning/reset")
+async def routing_learning_reset(
+    request: Request,
+    db: DatabaseDep,
+    store: PolicyStoreDep,
+    pipeline: PipelineDep,
+    principal: AdminUser,
+    form: Posted,
+    t: AdminTenant,
+) -> Response:
+    try:
+        saved = await pipeline.routing.learning.reset(t.id, principal.actor)
+    except IntegrityError:
+        ctx = await _context(db, store, pipeline, t)
+        why = "The policy changed at the same moment; reset it again."
+        return await _page(request, ctx, pipeline, t, status=409, errors=[{"param": None, "message": why}])
+    return redirect(tenant_url(t.name, "/policy/routing"), reset=saved.version)

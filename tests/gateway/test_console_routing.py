@@ -1,5 +1,6 @@
 """The console's routing form: allowed tiers, the routing mode and its value, the router's curve with the
-operating point marked, a preview with the dry run's cost before and after, and a confirmation that saves.
+operating point marked, a preview with the dry run's cost before and after, a confirmation that saves, and
+what the tenant's own verdicts taught its routing (its curve beside the router's) with a reset.
 
 A router is trained on synthetic labels (as tests/router does) and served by a live gateway on
 PostgreSQL and Redis whose `small` and `large` tiers are both SmolLM2; a second gateway has no router.
@@ -32,16 +33,20 @@ from engines.async_engine import AsyncEngine
 from gateway.accounting.tenants import create_key, create_tenant, tenant_by_name
 from gateway.api.deps import app_services
 from gateway.app import create_app
-from gateway.console.chart import MAX_CURVE_POINTS, curve_chart
+from gateway.console.chart import MAX_CURVE_POINTS, curve_chart, usd
 from live import LiveServer, start_server
-from policies.policy import Budget, Policy, RouterSettings, SamplingLimits
+from policies.policy import Budget, LearnedRouting, Policy, RouterSettings, SamplingLimits
+from policies.store import Versioned
 from router_model.calibrate import threshold_for_quality_floor, threshold_for_share
 from router_model.curve import operating_point, routing_curve
+from router_model.drift import LargeShareWindow
 from router_model.encoder import RouterEncoder
 from router_model.evaluate import quality_curve
 from router_model.examples import load_examples, split_examples
+from router_model.kinds import TEXT
 from router_model.model import load_router, save_router
 from router_model.synthetic import synthetic_examples, write_label_file
+from router_model.tenant_layer import Seen, Verdict, cell_of
 from router_model.train import heldout_examples, train_router
 
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
@@ -442,6 +447,142 @@ def test_a_router_without_held_out_labels_or_tenant_prompts_gives_the_reason(gw:
         stage = RoutingStage(SimpleNamespace(router=router), {})  # type: ignore[arg-type]
         found = curve_data(gw.live.db, stage, tmp_path, tid)
         assert isinstance(found, str) and "0 routed prompts stored (fewer than 100)" in found and why in found
+
+
+# --- what the tenant's own verdicts taught ---------------------------------------------------------------
+
+
+def learned_routing(router: str) -> LearnedRouting:
+    return LearnedRouting(
+        router=router, threshold=0.42, identities={}, cells={}, verdicts=6, shadow_judged=3, ratio=0.9712,
+        low=0.9613, large_share=0.18, large_share_before=0.31, prompts=30, made=time.time(),
+    )  # fmt: skip
+
+
+def taught(gw: Gateway, name: str, policy: Policy) -> str:
+    """Plant what a tenant's routed requests and verdicts leave in the routing stage: 30 routed prompts under
+    `policy` and 10 verdicts (7 shadow, 3 explore, $0.0005 each); the router's id."""
+    stage = app_services(gw.live.app).pipeline.routing
+    assert stage.service is not None
+    router = stage.service.router.id
+    stage.tenant_drift.setdefault(name, LargeShareWindow()).add(False, None)  # as a routed request leaves them
+    stage.floor.add(name, "small", policy)  # with the policy it ran under
+    cell = cell_of(TEXT, 0, True)
+    for p in np.random.default_rng(1).uniform(0.2, 0.95, 30):
+        stage.learning.add(name, Seen(cell, True, {"small": float(p)}), bool(p < 0.5))
+    identity = stage.learning.identities.get("small", "")
+    for i, direction in enumerate(["shadow"] * 7 + ["explore"] * 3):
+        verdict = Verdict("small", identity, i % 5 != 0, cell, router, time.time(), direction, Decimal("0.0005"))
+        stage.learning.verdicts.add(name, verdict)
+    return router
+
+
+def learned_section(text: str) -> str:
+    return text.split('id="learned"')[1].split("</section>")[0]
+
+
+def test_the_routing_page_shows_what_the_tenants_verdicts_taught(gw: Gateway) -> None:
+    name, tid, _, admin_key = gw.tenant()
+    admin = signed_in(gw, admin_key)
+    section = learned_section(admin.get(routing(name)).text)
+    assert "No learning data yet: this tenant has had no routed request since the gateway started." in section
+    assert 'id="learning-reset"' not in section  # nothing to reset
+
+    stage = app_services(gw.live.app).pipeline.routing
+    assert stage.service is not None
+    policy = Policy(router=RouterSettings(learned=learned_routing(stage.service.router.id), explore_share=0.05))
+    gw.policies.save(tid, policy, "test")
+    router = taught(gw, name, policy)
+    assert stage.stats({name})["tenants"][name]["learning"]["active"]  # as `GET /v1/admin/router` says it
+    page = admin.get(routing(name)).text
+    section = learned_section(page)
+    assert "<strong>active</strong>: threshold 0.4200" in section
+    quality = section.split('id="learning-quality">')[1].split("</td>")[0]
+    assert "0.971</span> of always-large's, 95% low end 0.961 · floor 0.950" in quality
+    assert "short of the floor" not in quality
+    assert "31.0% → 18.0%" in section
+    counted = stage.learning.verdicts.count(name, stage.learning.identities, router)
+    assert counted == 10  # the planted verdicts count for the tier identity the gateway serves
+    assert "10 since the last reset in 1 cell, 4 fresh since the last learning" in section  # 10 less the 6 learned
+    share = stage.explorer.share(Versioned(0, policy), name, router) if stage.explorer is not None else 0.0
+    explore = f"{100 * share:.1f}% of large answers explored now; 3 runs, {usd(Decimal('0.0015'))}"
+    assert explore in section and f"7 runs, {usd(Decimal('0.0035'))}" in section
+    assert "They are operator-paid" in section and "<code>router.shadow_billed</code> is off" in section
+    # the learned curve, beside the router's: x the share sent large, y the quality ratio, the learned point marked
+    assert 'id="routing-curve"' in page
+    svg = section.split('id="learned-curve"')[1].split("</svg>")[0]
+    found = stage.learning.summary(name, policy, router, ["small", "large"])
+    line = re.search(r'<polyline class="curve" points="([^"]+)"', svg)
+    assert found["curve"] and line and len(line.group(1).split()) == len(found["curve"])
+    assert svg.count('class="mark current"') == 1 and "learned: 18% of requests large, quality 0.971" in svg
+    assert "this tenant's 30 most recent routed prompts" in section
+    assert 'action="/console/tenants/' + name + '/policy/routing/learning/reset"' in section
+
+    # what the policy in force says, at once (not what the tenant's last routed request ran under)
+    off = Policy(router=RouterSettings(learned=policy.router.learned, learn=False, shadow_billed=True))
+    gw.policies.save(tid, off, "test")
+    section = learned_section(admin.get(routing(name)).text)
+    assert "not active" in section and "learning is off for this tenant (router.learn)" in section
+    assert 'id="learning-quality"' not in section and 'id="learned-curve"' in section
+    assert "This policy bills them (<code>router.shadow_billed</code>)" in section
+
+
+def test_an_admin_resets_what_the_tenants_verdicts_taught(gw: Gateway) -> None:
+    name, tid, _, admin_key = gw.tenant()
+    stage = app_services(gw.live.app).pipeline.routing
+    assert stage.service is not None
+    policy = Policy(router=RouterSettings(learned=learned_routing(stage.service.router.id)))
+    gw.policies.save(tid, policy, "test")
+    taught(gw, name, policy)
+    admin = signed_in(gw, admin_key)
+    page = admin.get(routing(name)).text
+    assert "<strong>active</strong>" in learned_section(page)
+    started = time.time()
+    r = admin.post(f"{routing(name)}/learning/reset", data={"csrf": form_token(page)})
+    assert r.status_code == 303 and r.headers["location"] == f"{routing(name)}?reset=2"
+    page = admin.get(r.headers["location"]).text
+    assert 'id="reset">Reset what it learned: v2' in page
+    section = learned_section(page)
+    assert "not active" in section and "nothing learned yet" in section
+    assert "0 since the last reset in 0 cells, 0 fresh" in section  # the planted verdicts came before the reset
+
+    saved = gw.policies.current(tid)
+    assert saved.version == 2 and saved.policy.router.learned is None
+    assert saved.policy.router.learn_since > 0 and saved.policy.router.learn_since >= started - 1
+    (entry, *_) = audit.entries(gw.live.db, tid, 1)
+    assert (entry.action, entry.target) == ("policy.reset_learning", "policy v2") and entry.actor.startswith("admin:")
+    assert admin_key.startswith(entry.actor.removeprefix("admin:"))
+    assert entry.before["router"]["learned"] is not None and entry.after["router"]["learned"] is None
+
+
+def test_only_an_admin_of_the_tenant_resets_what_it_learned(gw: Gateway) -> None:
+    name, tid, app_key, admin_key = gw.tenant(Policy(router=RouterSettings(learned=learned_routing("r"))))
+    other_name, _, _, other_admin = gw.tenant()
+    admin = signed_in(gw, admin_key)
+    page = admin.get(routing(name)).text
+    section = learned_section(page)  # no routed request yet, but a learned routing in the policy: resettable
+    assert "No learning data yet" in section and 'id="reset-learning"' in section
+    reset = f"{routing(name)}/learning/reset"
+
+    finance = signed_in(gw, gw.operator_finance)
+    r = finance.post(reset, data={"csrf": form_token(finance.get("/console/finance").text)})
+    assert r.status_code == 403 and "needs a key with the admin role" in r.text
+    with httpx.Client(base_url=gw.url, follow_redirects=False) as app:
+        login = app.get("/console/login").text
+        r = app.post("/console/login", data={"key": app_key, "csrf": form_token(login)})
+        assert r.status_code == 403 and "Only admin and finance keys can sign in" in r.text
+        assert app.post(reset, data={"csrf": form_token(login)}).headers["location"] == "/console/login"
+    other = signed_in(gw, other_admin)
+    r = other.post(reset, data={"csrf": form_token(other.get(routing(other_name)).text)})
+    assert r.status_code == 404  # another tenant's admin: as if it did not exist
+    r = admin.post(reset, data={})
+    assert r.status_code == 403 and "security token" in r.text
+    current = gw.policies.current(tid)
+    assert current.version == 1 and current.policy.router.learned is not None and current.policy.router.learn_since == 0
+
+    operator = signed_in(gw, gw.operator_admin)  # the operator's admin may, as it may save the routing form
+    r = operator.post(reset, data={"csrf": form_token(operator.get(routing(name)).text)})
+    assert r.status_code == 303 and gw.policies.current(tid).policy.router.learned is None
 
 
 # --- the curve and its chart, without a server ----------------------------------------------------------------
