@@ -120,7 +120,7 @@ def large_policy() -> Any:
 class Tenant:
     name: str
     key: str
-    run: str  # large | auto | default | judge
+    run: str  # large | auto | default | learned | judge
     role: str  # saver | balanced | quality | judge
     policy: Any  # policies.policy.Policy
 
@@ -128,7 +128,8 @@ class Tenant:
 def create_tenants(
     db_url: str, auto: dict[str, Any], shadow_share: float | None = None
 ) -> tuple[dict[tuple[str, str], Tenant], str, str]:
-    """Tenants for each run and role, a judge tenant, and the operator's finance and admin keys."""
+    """Tenants for each run and role (the default and learned runs' alike: the built-in default policy), a
+    judge tenant, and the operator's finance and admin keys."""
     from core.db.database import Database
     from gateway.accounting.tenants import create_tenant, tenant_by_name
     from policies.policy import Policy
@@ -137,9 +138,8 @@ def create_tenants(
     db = Database(db_url)
     suffix = uuid.uuid4().hex[:6]
     plan = [("large", role, large_policy()) for role in ROLES]
-    plan += [("auto", role, auto[role]) for role in ROLES] + [
-        ("default", role, default_policy(shadow_share)) for role in ROLES
-    ]
+    plan += [("auto", role, auto[role]) for role in ROLES]
+    plan += [(run, role, default_policy(shadow_share)) for run in ("default", "learned") for role in ROLES]
     plan += [("judge", "judge", Policy(verifiers=_no_checks(), **far_limits()))]
     tenants = {}
     try:
@@ -243,10 +243,11 @@ def outcome(request: Request, r: httpx.Response | None, error: str | None, ms: f
 
 async def replay(
     url: str, trace: Sequence[Request], keys: dict[str, str], *, model: str, no_store: bool, concurrency: int,
-    time_scale: float, timeout: float, record: Path, desc: str,
+    time_scale: float, timeout: float, record: Path, desc: str, append: bool = False,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """Every request at its arrival time (scaled; 0: all due at once), at most `concurrency` in flight; a
-    request that fails is recorded with its error, never raised. Records go to `record` as they finish."""
+    request that fails is recorded with its error, never raised. Records go to `record` (added to it with
+    `append`) as they finish; the returned list is in `trace`'s order (a part of a trace replays too)."""
     from tqdm import tqdm
 
     gate = asyncio.Semaphore(concurrency)
@@ -256,7 +257,7 @@ async def replay(
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as http:
         start = time.perf_counter()
 
-        async def one(request: Request, sink: Any) -> None:
+        async def one(position: int, request: Request, sink: Any) -> None:
             if (wait := start + request.at * time_scale - time.perf_counter()) > 0:
                 await asyncio.sleep(wait)
             body = {"model": model, "messages": request.messages, "max_tokens": request.max_tokens, "temperature": 0}
@@ -270,14 +271,14 @@ async def replay(
                     row = outcome(request, r, None, 1000 * (time.perf_counter() - t0))
                 except (httpx.HTTPError, OSError) as exc:
                     row = outcome(request, None, f"{type(exc).__name__}: {exc}", 1000 * (time.perf_counter() - t0))
-            results[request.index] = row
+            results[position] = row
             sink.write(json.dumps(row) + "\n")
             sink.flush()
             bar.update(1)
             bar.set_postfix(failed=sum(1 for x in results if x and not x["ok"]))
 
-        with record.open("w") as sink:
-            await asyncio.gather(*(one(r, sink) for r in trace))
+        with record.open("a" if append else "w") as sink:
+            await asyncio.gather(*(one(i, r, sink) for i, r in enumerate(trace)))
     bar.close()
     return results
 
@@ -363,22 +364,40 @@ def settle_ledger(db_url: str, tenants: Sequence[str], expected: int, wait_s: fl
     return last
 
 
+def dig(found: Any, *keys: str) -> Any:
+    """`found[k1][k2]...`, None where a level is missing or not a mapping (a gateway without that field)."""
+    for key in keys:
+        if not isinstance(found, dict):
+            return None
+        found = found.get(key)
+    return found
+
+
+def settle_router(url: str, admin_key: str, tenants: dict[str, str], probe: Callable[[dict[str, Any]], Any],
+                  wait_s: float, quiet_s: float = 15.0) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """Poll `GET /v1/admin/router` until `probe` of every tenant's entry has not changed for `quiet_s` (at most
+    `wait_s`): the background runs behind the replay (shadow runs, explore runs) have settled. Role → that
+    tenant's last entry ({} where the gateway lists none). `tenants`: role → tenant name."""
+
+    def read() -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+        r = httpx.get(f"{url}/v1/admin/router", headers={"Authorization": f"Bearer {admin_key}"}, timeout=60)
+        r.raise_for_status()
+        stats = r.json().get("tenants") or {}
+        entries = {role: stats.get(name) or {} for role, name in tenants.items()}
+        return entries, {role: probe(e) for role, e in entries.items()}
+
+    (entries, last), stable_since, deadline = read(), time.monotonic(), time.monotonic() + wait_s
+    while time.monotonic() < deadline and time.monotonic() - stable_since < quiet_s:
+        time.sleep(1.0)
+        entries, now = read()
+        if now != last:
+            last, stable_since = now, time.monotonic()
+    return entries
+
+
 def quality_estimates(url: str, admin_key: str, tenants: dict[str, str], wait_s: float = 600.0) -> dict[str, Any]:
     """Per role, the gateway's quality estimate for that tenant (`GET /v1/admin/router`), once its shadow
     runs stop adding verdicts (they run behind live requests, after the replay): role → the estimate (None
     without a verdict). `tenants`: role → tenant name."""
-    import httpx
-
-    def read() -> dict[str, Any]:
-        r = httpx.get(f"{url}/v1/admin/router", headers={"Authorization": f"Bearer {admin_key}"}, timeout=60)
-        r.raise_for_status()
-        stats = r.json()["tenants"]
-        return {role: ((stats.get(name) or {}).get("quality") or {}).get("estimate") for role, name in tenants.items()}
-
-    last, stable_since, deadline = read(), time.monotonic(), time.monotonic() + wait_s
-    while time.monotonic() < deadline and time.monotonic() - stable_since < 15:
-        time.sleep(1.0)
-        now = read()
-        if now != last:
-            last, stable_since = now, time.monotonic()
-    return last
+    entries = settle_router(url, admin_key, tenants, lambda e: dig(e, "quality", "estimate"), wait_s)
+    return {role: dig(e, "quality", "estimate") for role, e in entries.items()}

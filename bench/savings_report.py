@@ -149,6 +149,10 @@ def summarize(
     }
 
 
+def ratio(a: float | Decimal | None, b: float | Decimal | None) -> float | None:
+    return None if a is None or b is None or not b else round(float(a) / float(b), 4)
+
+
 def _fmt(x: float | None, spec: str = ".3f") -> str:
     return "n/a" if x is None else format(x, spec)
 

@@ -16,7 +16,8 @@ offered function or break its schema. Costs are the ledger's, at the default pri
 
 Answers are kept in `--out` as they come (a rerun continues where one stopped). The last line is one JSON object:
 `accuracy` (tier → category → ours and anchor), `malformed_calls`, `min_margin_vs_anchor` (points),
-`small_gain_simple_multiple` (points), `auto_accuracy_ratio`, `auto_cost_ratio`.
+`small_gain_simple_multiple` (points), `auto_accuracy_ratio`, `auto_cost_ratio`, `auto_tiers` (the share of the
+tool requests `auto` served on each tier).
 """
 
 from __future__ import annotations
@@ -264,12 +265,16 @@ def report(qs: list[bfcl.Question], args: argparse.Namespace) -> int:
         gain = sum((small[c]["ours"] - small[c]["anchor"]) * 50 for c in ("simple_python", "multiple"))
     mean = {t: sum(v["ours"] for v in a.values()) / len(a) for t, a in accuracy.items()}
     spent = {t: costs(args.out, t) for t in ("auto", "large")}
+    served = [r.get("tier") for r in _load(args.out / "ours-auto.jsonl").values()] if "auto" in args.tiers else []
     summary = {
         "questions": len(qs), "per_category": args.per_category, "threads": THREADS, "accuracy": accuracy,
         "malformed_calls": bad, "min_margin_vs_anchor": round(min(margins), 1) if margins else None,
         "small_gain_simple_multiple": round(gain, 1) if gain is not None else None,
         "auto_accuracy_ratio": round(mean["auto"] / mean["large"], 3) if {"auto", "large"} <= set(mean) else None,
         "auto_cost_ratio": round(float(spent["auto"] / spent["large"]), 3) if None not in spent.values() else None,
+        # which tier `auto` served the tool requests on (the router has no tool labels: large, until verdicts exist)
+        "auto_tiers": {t: round(served.count(t) / len(served), 3) for t in sorted(set(map(str, served)))} if served
+        else None,
     }  # fmt: skip
     print(json.dumps(summary))
     return 0

@@ -1,5 +1,6 @@
 """bench.savings: its trace is seeded and keeps the mix it promises; its grading, histogram and cross-check
-helpers do what they say (the cross-check shown catching a planted error); and the whole bench runs end to
+helpers do what they say (the cross-check shown catching a planted error); the learned run's split and its
+second-half scoring from the ledger's rows are what they say; and the whole bench runs end to
 end on the tiny profile at 24 requests (a gateway serving SmolLM2-135M as both tiers, a router trained on
 the spot, PostgreSQL and Redis)."""
 
@@ -25,12 +26,22 @@ if str(ROOT) not in sys.path:  # bench/ is no installed package: import it as `p
     sys.path.insert(0, str(ROOT))
 
 from bench.savings_gateway import histogram_p50_ms  # noqa: E402
-from bench.savings_grade import crosscheck, priced  # noqa: E402
+from bench.savings_grade import AMOUNTS, crosscheck, priced  # noqa: E402
+from bench.savings_learned import (  # noqa: E402
+    half_summaries,
+    learned_keys,
+    learning_notes,
+    per_request,
+    rebased,
+    score_ratios,
+    split_by_tenant,
+)
 from bench.savings_trace import (  # noqa: E402
     BURST_MAX,
     BURST_MIN,
     MAX_REPEAT_SHARE,
     TENANTS,
+    Request,
     build_trace,
     fact_items,
     load_pools,
@@ -92,14 +103,90 @@ def test_short_facts_are_distinct() -> None:  # their grading: tests/grading/tes
 def test_runs_to_replay(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     from bench.savings import parse_args
 
-    for given, runs in ((["--runs", "default"], ["large", "default"]), ([], ["large", "auto", "default"]),
-                        (["--runs", "default", "large", "auto"], ["large", "auto", "default"])):  # fmt: skip
+    for given, runs in ((["--runs", "default"], ["large", "default"]), ([], ["large", "auto", "default", "learned"]),
+                        (["--runs", "default", "large", "auto"], ["large", "auto", "default"]),
+                        (["--runs", "learned"], ["large", "learned"])):  # fmt: skip
         monkeypatch.setattr(sys, "argv", ["bench.savings", *given])
         assert parse_args().runs == runs  # the baseline first, always
     monkeypatch.setattr(sys, "argv", ["bench.savings", "--runs", "large"])
     with pytest.raises(SystemExit):
         parse_args()
     assert "nothing to compare" in capsys.readouterr().err
+
+
+def _request(index: int, tenant: str, at: float = 0.0) -> Request:
+    return Request(index, tenant, at, 0, "fact", f"fact/{index}", "original", None,
+                   [{"role": "user", "content": f"q{index}"}])  # fmt: skip
+
+
+def test_the_learned_run_splits_each_tenants_own_traffic() -> None:
+    tenants = ["saver", "saver", "quality", "saver", "balanced", "quality", "saver", "saver", "quality", "balanced"]
+    trace = [_request(i, t, at=float(i)) for i, t in enumerate(tenants)]
+    learn, score = split_by_tenant(trace)
+    for part in (learn, score):
+        assert [r.index for r in part] == sorted(r.index for r in part)  # trace order
+    assert sorted(r.index for r in learn + score) == list(range(len(trace)))
+    by = {t: [r.index for r in trace if r.tenant == t] for t in set(tenants)}
+    for t, mine in by.items():  # the first half of the tenant's own requests learns (the smaller half when odd)
+        assert [r.index for r in learn if r.tenant == t] == mine[: len(mine) // 2]
+        assert [r.index for r in score if r.tenant == t] == mine[len(mine) // 2 :]
+    assert [r.index for r in learn] == [0, 1, 2, 4]  # saver 5 → 2, quality 3 → 1, balanced 2 → 1
+    assert [r.at for r in rebased(score)][:2] == [0.0, 2.0] and rebased(score)[0].index == 3  # arrivals from its first
+    assert split_by_tenant([]) == ([], [])
+
+
+def test_the_learned_run_is_scored_on_the_second_half_from_the_ledger() -> None:
+    trace = [_request(i, t) for i, t in enumerate(["saver", "balanced", "saver", "balanced", "saver", "quality"])]
+    _, score = split_by_tenant(trace)  # saver 2, 4; balanced 3; quality 5
+    assert [r.index for r in score] == [2, 3, 4, 5]
+
+    def run(prefix: str, tiers: list[str]) -> list[dict]:
+        return [{"index": r.index, "tenant": r.tenant, "ok": True, "request_id": f"{prefix}{r.index}", "tier": tier,
+                 "cache": "miss", "cascade": None} for r, tier in zip(trace, tiers, strict=True)]  # fmt: skip
+
+    def row(rid: str, cost: str) -> dict:
+        return {"request_id": rid, **dict.fromkeys(AMOUNTS, Decimal(0)), "cost": Decimal(cost),
+                "counterfactual_cost": Decimal("1")}  # fmt: skip
+
+    results = {
+        "large": run("L", ["large"] * 6),
+        "learned": run("N", ["large", "large", "large", "small", "tiny", "large"]),
+    }
+    results["learned"][3] |= {"ok": False, "request_id": None, "tier": None}  # a failed request: no row, wrong
+    background = [row("N2-shadow", "0.7"), row("N4-explore", "0.3"), row("N5-explore-1", "0")]
+    ledger = {"large": [row(f"L{i}", "1") for i in range(6)],
+              "learned": [row(f"N{i}", c) for i, c in enumerate(["1", "1", "0.5", "9", "0.25", "1"]) if i != 3]
+              + [*background, row("X9", "2")]}  # fmt: skip
+    amounts, unclaimed = {}, {}
+    for name in results:
+        amounts[name], unclaimed[name] = per_request(results[name], ledger[name])
+    assert amounts["learned"][2]["cost"] == Decimal("0.5") and amounts["learned"][3]["cost"] == 0
+    assert unclaimed["learned"] == {"background_rows": 3, "background_cost": Decimal("1.0"), "unmatched_rows": 1}
+    assert unclaimed["large"] == {"background_rows": 0, "background_cost": Decimal(0), "unmatched_rows": 0}
+    grades = {"large": [True, True, True, True, False, True], "learned": [False, True, True, False, True, None]}
+    halves = half_summaries(score, ["large", "learned"], results, grades, amounts)
+    tenants = ("", "saver", "balanced", "quality")  # "": all
+    assert set(halves) == {f"{r} (2nd half)/{t}" for r in ("large", "learned") for t in tenants}
+    learned = halves["learned (2nd half)/"]
+    assert (learned["requests"], learned["failed"], learned["graded"]) == (4, 1, 3)
+    assert learned["cost"] == Decimal("1.75") and halves["large (2nd half)/"]["cost"] == 4  # 0.5 + 0 + 0.25 + 1
+    assert halves["learned (2nd half)/saver"]["cost"] == Decimal("0.75")
+    # accuracy: learned 2 of 3 graded (2, 3 failed, 4); large 3 of 4 → (2/3) / (3/4)
+    assert score_ratios(halves, "learned") == (round((2 / 3) / 0.75, 4), round(1.75 / 4, 4))
+    assert score_ratios(halves, "default") == (None, None)  # the run left out
+    keys = learned_keys(halves, ["large", "learned"], learning_notes({}, {}), unclaimed["learned"])
+    assert keys["learned_cost_ratio"] == 0.4375 and keys["default_cost_ratio_second_half"] is None
+    assert keys["learned_large_share"] == 0.6667 and keys["learned_tiers"] == {"large": 0.6667, "tiny": 0.3333}
+    # a gateway without the `learning` fields: nulls and zeros, no crash
+    assert [keys[f"learned_{k}"] for k in ("explore_runs", "explore_cost_usd", "shadow_cost_usd")] == [0, 0, 0]
+    assert keys["learned_active"] == dict.fromkeys(("saver", "balanced", "quality"))
+    assert keys["learned_background_ledger"] == {"rows": 3, "cost_usd": 1.0, "unmatched_rows": 1}
+    entry = {"learning": {"active": True, "threshold": 0.4, "verdicts": 7,
+                          "explore": {"runs": 3, "cost_usd": "0.0125"}, "shadow": {"cost_usd": "0.5"}}}  # fmt: skip
+    notes = learning_notes({"saver": entry}, {"saver": entry, "balanced": entry, "quality": {}})
+    assert notes["active"] == {"saver": True, "balanced": None, "quality": None} and notes["threshold"]["saver"] == 0.4
+    assert (notes["explore_runs"], notes["explore_cost_usd"], notes["shadow_cost_usd"]) == (6, 0.025, 1.0)
+    assert learned_keys(halves, ["large"], {}, None)["learned_active"] is None
 
 
 def test_route_median_from_histogram_deltas() -> None:
@@ -159,10 +246,16 @@ def test_savings_runs_end_to_end_on_the_tiny_profile(tmp_path: Path, postgres_se
     assert r["route_p50_ms"] is not None and r["route_p50_ms"] > 0
     assert r["saved_routing"] > 0 and r["saved_share"] > 0
     assert Path(r["png"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    for run in ("large", "auto", "default"):
+    for run in ("large", "auto", "default", "learned"):  # the learned run's two halves in one file
         assert len((tmp_path / f"{run}.jsonl").read_text().splitlines()) == 24
     assert (
         "| auto | saver |" in done.stdout
         and "| large | all |" in done.stdout
         and "| default | quality |" in done.stdout
+        and "| learned (2nd half) | all |" in done.stdout
+        and "| large (2nd half) | saver |" in done.stdout
     )
+    # the learned run: scored on each tenant's second half against always-large on the same requests
+    assert r["failed_learned"] == 0 and r["learned_cost_ratio"] > 0 and 0 <= r["learned_large_share"] <= 1
+    assert r["default_cost_ratio_second_half"] is not None and set(r["learned_active"]) == set(TENANTS)
+    assert r["learned_explore_runs"] >= 0 and r["learned_background_ledger"]["rows"] >= 0
