@@ -73,6 +73,7 @@ class RouteDecision:
     calibrated_large_share: float | None  # what the threshold was calibrated to send large; None: a fixed one
     seconds: float  # the decision's time, queueing for the router thread included
     p_ok: dict[str, float] = field(default_factory=dict)  # P(good enough) per tier (the tenant's posterior if learned)
+    # (an unknown prompt shows the router's P, and went large whatever it said)
     features: str = "text"  # "hidden": from the small tier's hidden state; "text": the text router decided
     cell: str | None = None  # where the prompt lies (`router_model.tenant_layer.cell_of`): its verdicts count there
     known: bool = True  # the router's labels cover it; else `why` ("tools", "far") and nothing below large unlearned
@@ -240,8 +241,9 @@ class RoutingStage:
             principal.tenant_name, Seen(cell, place.known, {t: p for t, p in p_ok.items()}), tier == LARGE
         )
         with_hidden = all(s is not None for s in states) and spec is not None
+        shown = used if learned is not None else p_ok  # the header: the router's P, or the tenant's posterior
         return RouteDecision(
-            tier, used[SMALL], threshold, source, expected, time.perf_counter() - start, used,
+            tier, shown[SMALL], threshold, source, expected, time.perf_counter() - start, shown,
             "hidden" if with_hidden else "text", cell, place.known, place.why, learned is not None, place.kind,
             router.id,
         )  # fmt: skip

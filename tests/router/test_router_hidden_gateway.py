@@ -128,8 +128,14 @@ def gateway(
 
 
 def parse(r: httpx.Response) -> tuple[dict[str, float], str]:
-    predicted, features = r.headers["x-switchboard-route"].split("; ")
+    """(P per tier, what it was read from); any notes after them (`unknown far`) are left out: `unknown`."""
+    predicted, features, *_ = r.headers["x-switchboard-route"].split("; ")
     return {t: float(p) for t, p in (x.split("=") for x in predicted.split(","))}, features
+
+
+def unknown(r: httpx.Response) -> bool:
+    """The router's labels do not cover the prompt: it goes large whatever its P (`router_model.regions`)."""
+    return "; unknown " in r.headers["x-switchboard-route"]
 
 
 @pytest.mark.parametrize("threshold", [0.2, 0.5, 0.8])
@@ -144,7 +150,8 @@ def test_auto_picks_the_cheapest_tier_whose_predicted_success_meets_the_floor(
         p_ok, features = parse(r)
         assert features == "hidden" and set(p_ok) == {"tiny", SMALL}
         assert float(r.headers["x-switchboard-route-ms"]) > 0
-        assert r.headers["x-switchboard-tier"] == cheapest_tier(p_ok, threshold, ["tiny", SMALL, LARGE])
+        want = LARGE if unknown(r) else cheapest_tier(p_ok, threshold, ["tiny", SMALL, LARGE])
+        assert r.headers["x-switchboard-tier"] == want
         # the gateway's prediction is the router's on the state the engine computes for this prompt
         ids = small_engine.tokenizer.encode_chat([{"role": "user", "content": str(content)}])
         state = asyncio.run(small_engine.hidden_state(ids, LAYER, "check")).numpy()
