@@ -172,7 +172,8 @@ def test_under_the_default_floor_tiny_serves_what_the_router_scores_as_easy(gate
         r = gateway.chat(key, content)
         p_ok, _ = parse(r)
         served[content] = r.headers["x-switchboard-tier"]
-        assert served[content] == cheapest_tier(p_ok, threshold, ["tiny", SMALL, LARGE]), (content, p_ok)
+        want = LARGE if unknown(r) else cheapest_tier(p_ok, threshold, ["tiny", SMALL, LARGE])
+        assert served[content] == want, (content, p_ok)
     assert "tiny" in served.values() and "large" in served.values(), served
 
 
@@ -184,7 +185,8 @@ def test_a_calibrated_large_share_routes_between_small_and_large_only(gateway: G
     for content in ["Hi! How are you today?", "Thanks, that is all.", *synthetic_prompts(6)]:
         r = gateway.chat(key, content)
         p_ok, _ = parse(r)
-        assert r.headers["x-switchboard-tier"] == cheapest_tier(p_ok, router.threshold, [SMALL, LARGE]), content
+        want = LARGE if unknown(r) else cheapest_tier(p_ok, router.threshold, [SMALL, LARGE])
+        assert r.headers["x-switchboard-tier"] == want, content
     only_tiny = gateway.tenant(mode="large_share", allowed_tiers=["tiny"])
     assert gateway.chat(only_tiny, "Hi! How are you today?").headers["x-switchboard-tier"] == "tiny"
 
