@@ -12,9 +12,8 @@ from typing import Any
 
 from gateway.console.chart import CurveChart, curve_chart
 from gateway.routing.learning import MIN_SEEN
-from gateway.routing.stage import LADDER, RoutingStage
+from gateway.routing.stage import RoutingStage
 from policies.policy import Policy
-from policies.store import Versioned
 from router_model.tenant_layer import MIN_FRESH
 
 
@@ -56,24 +55,11 @@ class LearningView:
         return None if self.learned is None else self.learned["low"] >= self.floor
 
 
-def summary(routing: RoutingStage, tenant: str, policy: Policy) -> dict[str, Any] | None:
-    """`RoutingStage.stats`' learning of the tenant under `policy`: None before its first routed request since
-    the gateway started, or without a router."""
-    if routing.service is None or tenant not in routing.tenant_drift or tenant not in routing.floor.policies_seen:
-        return None
-    router = routing.service.router.id
-    tiers = [t for t in LADDER if t in routing.engines and policy.allows(t)]  # the stage's `_tiers`
-    out = routing.learning.summary(tenant, policy, router, tiers)
-    explorer = routing.explorer
-    share = explorer.share(Versioned(0, policy), tenant, router) if explorer is not None else 0.0
-    return out | {"explore": {**out["explore"], "share": share}}
-
-
 def section(routing: RoutingStage, tenant: str, policy: Policy) -> LearningView | str:
     """The section's content, or why there is no learning data yet (one line)."""
     if routing.service is None:
         return "the gateway has no router to learn for"
-    found = summary(routing, tenant, policy)
+    found = routing.learning_summary(tenant, policy) if tenant in routing.tenant_drift else None
     return learning_view(found, policy) or "this tenant has had no routed request since the gateway started"
 
 

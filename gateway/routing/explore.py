@@ -23,13 +23,13 @@ import asyncio
 import logging
 import random
 import time
-from collections import Counter
 from decimal import Decimal
 
 import anyio
 
 from engines.protocol import RequestRejected
-from gateway.routing.shadow import WARMUP_SHARE, Relabeler
+from gateway.routing.background import BackgroundRuns
+from gateway.routing.shadow import JUDGE_TEMPLATE_TOKENS, WARMUP_SHARE, Relabeler
 from gateway.routing.shadow_rows import Answer, Failed, ShadowJob, ShadowUsage, Spent, run_cost
 from policies.budgets import BudgetError, Reservation
 from policies.pricing import Tokens, worst_case
@@ -42,19 +42,14 @@ __all__ = ["Explorer"]
 
 log = logging.getLogger(__name__)
 
-JUDGE_TEMPLATE_TOKENS = 256  # as the shadow run's bound on the judge prompt's own words
-
 
 class Explorer:
     def __init__(self, relabeler: Relabeler, rng: random.Random | None = None) -> None:
         self.relabeler = relabeler
         self._rng = rng or random.Random()
-        self._tasks: set[asyncio.Task[list[Row]]] = set()
-        self._running: Counter[str] = Counter()
-
-    @property
-    def identities(self) -> dict[str, str]:
-        return {tier: tier_model(t) for tier, t in self.relabeler.settings.tiers.items()}
+        self.runs = BackgroundRuns()
+        # tier → model@weights/dtype, as the label rows record it: what verdicts are keyed by
+        self.identities = {tier: tier_model(t) for tier, t in relabeler.settings.tiers.items()}
 
     def share(self, policy: Versioned, tenant: str, router: str) -> float:
         """The share of the tenant's large answers explored now: the policy's, or WARMUP_SHARE until it has
@@ -65,7 +60,7 @@ class Explorer:
         done = self.relabeler.learning.count(
             tenant, self.identities, router, since=settings.learn_since, direction="explore"
         )
-        warm = done + self._running[tenant] < settings.explore_warmup
+        warm = done + self.runs.running(tenant) < settings.explore_warmup
         return max(settings.explore_share, WARMUP_SHARE) if warm else settings.explore_share
 
     def wants(self, policy: Versioned, served_by: str, tenant: str, router: str, tiers: list[str]) -> bool:
@@ -80,16 +75,7 @@ class Explorer:
 
     def submit(self, job: ShadowJob) -> None:
         """Start the run in the background; the caller's response is already out."""
-        self._running[job.tenant] += 1
-        task = asyncio.get_running_loop().create_task(self.run(job), name=f"explore {job.request_id}")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        task.add_done_callback(lambda _: self._ran(job.tenant))
-
-    def _ran(self, tenant: str) -> None:
-        self._running[tenant] -= 1
-        if self._running[tenant] <= 0:
-            del self._running[tenant]
+        self.runs.start(self.run(job), job.tenant, f"explore {job.request_id}")
 
     async def run(self, job: ShadowJob) -> list[Row]:
         """Each cheaper tier's run, judged, accounted and logged; the label rows written. Never raises."""
@@ -117,9 +103,11 @@ class Explorer:
             engine.check(prompt, max_tokens)
         except RequestRejected:
             return None  # too long for the cheaper tier: it could not have served it
-        reservation = await self._reserve(job, rid, tier, len(prompt), max_tokens)
-        if reservation is False:
-            return None
+        reservation = None
+        if job.policy.policy.router.shadow_billed:
+            reservation = await self._reserve(job, rid, tier, len(prompt), max_tokens)
+            if reservation is None:
+                return None
         answer, spent, status, good, verdict = Answer(), Spent(), "ok", False, None
         try:
             try:  # generate runs at the shadow priority: behind live requests
@@ -139,7 +127,7 @@ class Explorer:
                 runs = [self._usage(job, rid, tier, answer, max_tokens, status, seconds)]
                 if spent.judge.prompt_tokens:  # a judge ran (not for identical answers or a word problem's numbers)
                     runs.append(self._usage(job, f"{rid}-judge", LARGE, spent.judge, JUDGE_MAX_TOKENS, status, seconds))
-                await relabeler.meter.bill_all(runs, reservation if isinstance(reservation, Reservation) else None)
+                await relabeler.meter.bill_all(runs, reservation)
         if status != "ok":
             return None
         cost = sum((run_cost(r) for r in runs), Decimal(0))
@@ -149,12 +137,10 @@ class Explorer:
             await relabeler.on_verdict(job.tenant_id, job.tenant)
         return row
 
-    async def _reserve(self, job: ShadowJob, rid: str, tier: str, prompt: int, max_tokens: int) -> Reservation | bool:
-        """A billed run's worst case (the tier's answer, large's judgement), reserved like a request's: the
-        reservation, True where nothing is billed, False where the budgets refused."""
+    async def _reserve(self, job: ShadowJob, rid: str, tier: str, prompt: int, max_tokens: int) -> Reservation | None:
+        """A billed run's worst case (the tier's answer, large's judgement), reserved like a request's; None if
+        the budgets refused."""
         policy = job.policy.policy
-        if not policy.router.shadow_billed:
-            return True
         judge_prompt = prompt + max_tokens + job.answer_tokens + JUDGE_TEMPLATE_TOKENS
         money = worst_case(policy, tier, prompt, max_tokens) + worst_case(policy, LARGE, judge_prompt, JUDGE_MAX_TOKENS)
         tokens = prompt + max_tokens + judge_prompt + JUDGE_MAX_TOKENS
@@ -162,7 +148,7 @@ class Explorer:
             return await self.relabeler.budgets.admit(rid, policy, job.tenant_id, job.key_id, money, tokens)
         except BudgetError as exc:
             log.info("explore run for %s skipped: %s", job.request_id, type(exc).__name__)
-            return False
+            return None
 
     def _usage(
         self, job: ShadowJob, rid: str, tier: str, ran: Answer, max_tokens: int, status: str, seconds: float
@@ -200,11 +186,4 @@ class Explorer:
         return row
 
     async def close(self, timeout: float = 30.0) -> None:
-        tasks = list(self._tasks)
-        if not tasks:
-            return
-        _, pending = await asyncio.wait(tasks, timeout=timeout)
-        for task in pending:
-            task.cancel()
-        if pending:
-            await asyncio.wait(pending, timeout=5.0)
+        await self.runs.close(timeout)

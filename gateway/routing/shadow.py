@@ -36,7 +36,6 @@ import logging
 import random
 import threading
 import time
-from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 
 import anyio
@@ -48,6 +47,7 @@ from engines.sampling import SamplingParams
 from gateway.accounting.ledger import Ledger
 from gateway.accounting.metrics import Metrics
 from gateway.http.errors import from_budget
+from gateway.routing.background import BackgroundRuns
 from gateway.routing.quality_floor import estimate_since
 from gateway.routing.shadow_rows import (
     Answer,
@@ -100,8 +100,7 @@ class Relabeler:
         self.path = labels_path(settings.home_dir)
         self._rng = rng or random.Random()
         self._append_lock = threading.Lock()  # rows from concurrent runs never interleave
-        self._tasks: set[asyncio.Task[Row | None]] = set()
-        self._running: Counter[str] = Counter()  # tenant → shadow runs under way (the event loop's thread only)
+        self.runs = BackgroundRuns()
         self.verdicts = TenantVerdicts()  # per tenant: the shadow verdicts so far, the log's included
         self.learning = LearningVerdicts()  # per tenant: shadow and explore verdicts by cell, for its layer
         self.on_verdict: Callable[[int, str], Awaitable[object]] | None = None  # (tenant id, name) after each row
@@ -118,7 +117,7 @@ class Relabeler:
         router = policy.policy.router
         if router.shadow_share <= 0:  # the tenant turned the estimate off: no warm-up either
             return 0.0
-        fresh = max(0, self.verdicts.judged(tenant) - estimate_since(router)) + self._running[tenant]
+        fresh = max(0, self.verdicts.judged(tenant) - estimate_since(router)) + self.runs.running(tenant)
         return max(router.shadow_share, WARMUP_SHARE) if fresh < router.shadow_warmup else router.shadow_share
 
     def wants(self, policy: Versioned, served_by: str, tenant: str) -> bool:
@@ -132,16 +131,7 @@ class Relabeler:
 
     def submit(self, job: ShadowJob) -> None:
         """Start the run in the background; the caller's response is already out."""
-        self._running[job.tenant] += 1
-        task = asyncio.get_running_loop().create_task(self.run(job), name=f"shadow {job.request_id}")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        task.add_done_callback(lambda _: self._ran(job.tenant))
-
-    def _ran(self, tenant: str) -> None:
-        self._running[tenant] -= 1
-        if self._running[tenant] <= 0:
-            del self._running[tenant]
+        self.runs.start(self.run(job), job.tenant, f"shadow {job.request_id}")
 
     async def run(self, job: ShadowJob) -> Row | None:
         """Run, judge, account and log one shadow run; the label row, or None if there is none. Never raises."""
@@ -294,11 +284,4 @@ class Relabeler:
 
     async def close(self, timeout: float = 30.0) -> None:
         """Let running shadow runs finish (each writes its row), then cancel what is left."""
-        tasks = list(self._tasks)
-        if not tasks:
-            return
-        _, pending = await asyncio.wait(tasks, timeout=timeout)
-        for task in pending:
-            task.cancel()
-        if pending:
-            await asyncio.wait(pending, timeout=5.0)
+        await self.runs.close(timeout)

@@ -29,7 +29,7 @@ import time
 from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import numpy as np
@@ -237,9 +237,7 @@ class RoutingStage:
         self.tenant_drift.setdefault(principal.tenant_name, LargeShareWindow()).add(choice == LARGE, expected)
         tier = choice if choice in tiers else cheapest_tier(used, threshold, tiers)
         self.floor.add(principal.tenant_name, tier, policy)
-        self.learning.add(
-            principal.tenant_name, Seen(cell, place.known, {t: p for t, p in p_ok.items()}), tier == LARGE
-        )
+        self.learning.add(principal.tenant_name, Seen(cell, place.known, dict(p_ok)), tier == LARGE)
         with_hidden = all(s is not None for s in states) and spec is not None
         shown = used if learned is not None else p_ok  # the header: the router's P, or the tenant's posterior
         return RouteDecision(
@@ -344,16 +342,19 @@ class RoutingStage:
                 out["hidden_states"] = dict(self.hidden.counts)
         out["drift"] = self.drift.shares().as_dict() if tenants is None else None
         out["tenants"] = {
-            name: window.shares().as_dict() | {"quality": self.floor.summary(name), "learning": self._learning(name)}
+            name: window.shares().as_dict()
+            | {"quality": self.floor.summary(name), "learning": self.learning_summary(name)}
             for name, window in sorted(self.tenant_drift.items())
             if tenants is None or name in tenants
         }
         return out
 
-    def _learning(self, tenant: str) -> dict[str, object] | None:
-        """The tenant's learning under the policy its last routed request ran under (None before one)."""
-        policy = self.floor.policies_seen.get(tenant)
-        if policy is None or self.service is None:
+    def learning_summary(self, tenant: str, policy: Policy | None = None) -> dict[str, Any] | None:
+        """The tenant's learning (`TenantLearning.summary`, and the explore share now) under `policy` (default: the
+        one its last routed request ran under); None before its first routed request, or without a router."""
+        seen = self.floor.policies_seen.get(tenant)
+        policy = policy or seen
+        if seen is None or policy is None or self.service is None:
             return None
         out = self.learning.summary(tenant, policy, self.service.router.id, self._tiers(policy))
         explorer = self.explorer

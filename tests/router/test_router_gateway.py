@@ -453,12 +453,12 @@ def test_a_new_tenant_s_first_verdicts_are_drawn_at_the_warm_up_share(gateway: G
     assert relabeler is not None and WARMUP_SHARE == 0.5
     current = policies.current(tenant_id)
     assert relabeler.share(current, name) == WARMUP_SHARE
-    relabeler._running[name] = 1  # a run under way counts toward the warm-up
+    relabeler.runs._running[name] = 1  # a run under way counts toward the warm-up
     for _ in range(2):
         relabeler.verdicts.add(name, True)
     assert relabeler.share(current, name) == 0.05
-    relabeler._ran(name)
-    assert relabeler.share(current, name) == WARMUP_SHARE and name not in relabeler._running
+    relabeler.runs._ended(name)
+    assert relabeler.share(current, name) == WARMUP_SHARE and name not in relabeler.runs._running
     relabeler.verdicts.add(name, True)
     assert relabeler.share(current, name) == 0.05
     body = current.policy.model_dump(mode="json")

@@ -110,7 +110,7 @@ def test_exploring_stays_within_its_share_and_the_operator_pays(router_gateway: 
     time.sleep(3)
     running = running_pipeline(router_gateway.live.app).routing.explorer
     assert running is not None
-    wait(lambda: not running._tasks, timeout=60)
+    wait(lambda: running.runs.idle, timeout=60)
     rows = explore_rows(router_gateway, name)
     # Binomial(40, 0.25): outside [1, 22] once in ~10^5 runs; exploring everything (40) or nothing fails
     assert 1 <= len(rows) <= 22, len(rows)

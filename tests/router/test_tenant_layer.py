@@ -30,6 +30,15 @@ from router_model.tenant_layer import (
 SMALL_A, SMALL_B = "qwen-0.5b@int8/bf16", "qwen-0.5b-distilled@int8/bf16"
 
 
+def learned_routing(**changes: object) -> LearnedRouting:
+    """A learned routing for router r1 and the small tier SMALL_A, as `gateway.routing.learning` saves one."""
+    fields: dict[str, object] = dict(
+        router="r1", threshold=0.5, identities={"small": SMALL_A}, cells={"text/3": {"small": (5, 6)}}, verdicts=6,
+        ratio=0.97, low=0.95, large_share=0.2, large_share_before=0.5, prompts=100, made=time.time(),
+    )  # fmt: skip
+    return LearnedRouting.model_validate(fields | changes)
+
+
 def verdicts(cell: str, ok: int, bad: int, tier: str = "small", identity: str = SMALL_A) -> list[Verdict]:
     now = time.time()
     return [Verdict(tier, identity, i < ok, cell, "r1", now, "explore") for i in range(ok + bad)]
@@ -79,10 +88,7 @@ def test_verdicts_count_per_tenant_per_tier_identity_and_router() -> None:
 
 
 def test_a_changed_tier_identity_turns_the_learned_routing_off_until_its_own_verdicts_come() -> None:
-    learned = LearnedRouting(
-        router="r1", threshold=0.5, identities={"small": SMALL_A}, cells={"text/3": {"small": (5, 6)}}, verdicts=6,
-        ratio=0.97, low=0.95, large_share=0.2, large_share_before=0.5, prompts=100, made=time.time(),
-    )  # fmt: skip
+    learned = learned_routing()
     policy = Policy(router=RouterSettings(learned=learned))
     same = TenantLearning(LearningVerdicts(), TenantVerdicts(), {"small": SMALL_A, "large": "l"})
     changed = TenantLearning(LearningVerdicts(), TenantVerdicts(), {"small": SMALL_B, "large": "l"})
@@ -147,10 +153,7 @@ def test_a_learned_routing_the_verdicts_no_longer_support_is_removed() -> None:
     learning = TenantLearning(store, TenantVerdicts(), {"small": SMALL_A, "large": "l"})
     for _ in range(30):
         learning.add("one", Seen("text/3", True, {"small": 0.6}), large=False)
-    learned = LearnedRouting(
-        router="r1", threshold=0.5, identities={"small": SMALL_A}, cells={"text/3": {"small": (5, 5)}}, verdicts=5,
-        ratio=0.97, low=0.95, large_share=0.0, large_share_before=0.5, prompts=30, made=time.time(),
-    )  # fmt: skip
+    learned = learned_routing(cells={"text/3": {"small": (5, 5)}}, verdicts=5, large_share=0.0, prompts=30)
     policy = Policy(router=RouterSettings(learned=learned))
     moved, note = learning._learn("one", policy, "r1", ["small", "large"], learned)
     assert moved is not None and moved.router.learned is None and "goes" in note  # toward large
