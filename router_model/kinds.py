@@ -1,18 +1,17 @@
 """What kind of request a conversation is, as the router's labels are split: plain text, or a request with
 tools (functions offered, calls made or their results read).
 
-The shipped labels are all text; a kind without labels of its own is out of the router's distribution
-whatever its embedding says (`router_model.regions`), so `auto` does not trust P(small ok) on it until a
-tenant's own verdicts (or labels of that kind) exist.
+A router knows a kind where its held-out labels hold enough of it to keep the quality floor on that kind alone
+(`router_model.train._kinds`; the shipped labels hold both: tool calls from BFCL, `bench.tool_labels`); a kind
+it does not know is out of its distribution whatever its embedding says (`router_model.regions`), so `auto`
+does not trust P(small ok) on it until a tenant's own verdicts (or labels of that kind) exist.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from router_model.features import Messages, message_text
 
-__all__ = ["KINDS", "TEXT", "TOOLS", "TOOLS_NOTE", "kinds_of", "request_kind"]
+__all__ = ["KINDS", "TEXT", "TOOLS", "TOOLS_NOTE", "request_kind"]
 
 TEXT, TOOLS = "text", "tools"
 KINDS = (TEXT, TOOLS)
@@ -30,8 +29,3 @@ def request_kind(messages: Messages) -> str:
         if role == "system" and message_text(m).startswith(TOOLS_NOTE):
             return TOOLS
     return TEXT
-
-
-def kinds_of(conversations: Iterable[Messages]) -> list[str]:
-    """The kinds these conversations cover, sorted."""
-    return sorted({request_kind(m) for m in conversations})

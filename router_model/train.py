@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,8 +38,8 @@ from router_model.examples import (
 )
 from router_model.features import CHEAP_FEATURES, FEATURE_VERSION, featurize
 from router_model.hidden import HiddenSpec
-from router_model.kinds import kinds_of
-from router_model.model import Router, predict_p_small_ok
+from router_model.kinds import request_kind
+from router_model.model import MIN_KIND_HELDOUT, Router, predict_p_small_ok
 from router_model.regions import fit_regions
 
 ALL_CANDIDATES = CANDIDATES | HIDDEN_CANDIDATES
@@ -153,12 +154,7 @@ def train_router(
         "threshold_from": f"large share {large_share} of the held-out split",
         "large_share": float(np.mean(held_p < threshold)),  # sent large there: what the drift gauge expects
         "tenant_thresholds": {},
-        # the kept classifier's held-out curve, so a quality floor becomes a threshold without rescoring
-        "heldout_curve": {
-            "p": [round(float(x), 6) for x in held_p],
-            "small_ok": [bool(e.small_ok) for e in heldout],
-            "large_ok": [bool(e.large_ok) for e in heldout],
-        },
+        "heldout_curve": _curve(held_p, heldout),
     }
     metadata["heldout_curve"] |= _tiny_curve(tiers["tiny"], x_held, hidden, heldout) if "tiny" in tiers else {}
     router = Router(
@@ -169,9 +165,27 @@ def train_router(
     return TrainResult(router, scores, list(heldout), held_p)
 
 
+def _curve(held_p: np.ndarray, heldout: Sequence[Example]) -> dict[str, list]:
+    """The kept classifier's held-out curve, so a quality floor becomes a threshold without rescoring; with each
+    prompt's kind, so the floor is kept per kind (`Router.threshold_for_floor`)."""
+    return {
+        "p": [round(float(x), 6) for x in held_p],
+        "small_ok": [bool(e.small_ok) for e in heldout],
+        "large_ok": [bool(e.large_ok) for e in heldout],
+        "kind": [request_kind(e.messages) for e in heldout],
+    }
+
+
 def _kinds(train: Sequence[Example], heldout: Sequence[Example]) -> list[str]:
-    """The kinds of request the labels hold (`router_model.kinds`): a kind without labels is out of distribution."""
-    return kinds_of(e.messages for e in (*train, *heldout))
+    """The kinds of request the router knows (`router_model.kinds`): those with `MIN_KIND_HELDOUT` held-out labels,
+    on which its floor can be kept (`Router.threshold_for_floor`); a kind with fewer, or none, is out of
+    distribution. Labels too few for any kind to have that many (a small test file): the kind most of them are."""
+    counts = Counter(request_kind(e.messages) for e in heldout)
+    known = sorted(k for k, n in counts.items() if n >= MIN_KIND_HELDOUT)
+    if known:
+        return known
+    every = Counter(request_kind(e.messages) for e in (*train, *heldout))
+    return [every.most_common(1)[0][0]] if every else []
 
 
 def _tiny_curve(

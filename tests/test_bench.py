@@ -364,3 +364,38 @@ def test_tool_loops_counts_switches_inside_loops_and_the_prefix_later_turns_reus
     assert (a["switches_inside_loops"], a["loops_that_switched"], a["tiers"]) == (0, 0, ["ss", "sss"])
     assert (b["switches_inside_loops"], b["loops_that_switched"], b["tiers"]) == (3, 2, ["sl", "sls"])
     assert a["cached_share_of_later_prompts"] == round(245 / 310, 3) and b["cached_tokens_per_later_turn"] == 23.3
+
+
+def test_tool_labels_are_bfcl_questions_bench_tools_does_not_score_graded_by_its_checker() -> None:
+    """bench.tool_labels' pieces on BFCL's real data: a fixed sample per category that never overlaps bench.tools'
+    default one; each tier's answer graded by BFCL's checker (a failed request is wrong; irrelevance wants no call);
+    the row's conversation is the one the gateway's admission hands the router for the same request."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from bench import bfcl
+    from bench.tool_labels import BENCH_PER_CATEGORY, ID_PREFIX, label_questions, label_row, tier_models
+    from gateway.http.schemas import ChatCompletionRequest
+    from gateway.pipeline.prompts import chat_messages
+    from gateway.tool_calls import routing_turns, tool_request
+    from router_model.kinds import TOOLS, request_kind
+
+    qs = label_questions(5)
+    assert [q.id for q in qs] == [q.id for q in label_questions(5)] and len(qs) == 5 * len(bfcl.CATEGORIES)
+    scored = {q.id for c in bfcl.CATEGORIES for q in bfcl.questions(c, BENCH_PER_CATEGORY)}
+    assert not scored & {q.id for q in qs}
+    q = next(q for q in bfcl.questions("simple_python", None) if q.id == "simple_python_0")
+    answers = {
+        "tiny": {"status": 500, "error": "boom"},
+        "small": {"status": 200, "calls": [["calculate_triangle_area", '{"base": 10, "height": 5}']]},
+        "large": {"status": 200, "calls": [["calculate_triangle_area", '{"base": 9, "height": 5}']]},
+    }
+    row = label_row(q, answers, tier_models())
+    assert (row["tiny_ok"], row["small_ok"], row["large_ok"], row["label"]) == (False, True, False, True)
+    assert row["id"] == ID_PREFIX + q.id and row["source"] == "bfcl_simple_python"
+    assert row["small_model"] == "qwen2.5-coder-0.5b-instruct@int8/bf16"
+    asked = {"model": "auto", "messages": q.messages, "tools": bfcl.openai_tools(q.functions), "tool_choice": "auto"}
+    body = ChatCompletionRequest.model_validate(asked)
+    assert row["messages"] == [*routing_turns(tool_request(body)), *chat_messages(body)]
+    assert request_kind(row["messages"]) == TOOLS
+    irrelevant = bfcl.questions("irrelevance", 1)[0]
+    declined = {t: {"status": 200, "content": "I cannot help with that.", "calls": []} for t in answers}
+    assert label_row(irrelevant, declined, tier_models())["large_ok"] is True

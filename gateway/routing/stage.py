@@ -230,7 +230,7 @@ class RoutingStage:
             used = posterior_p_ok(p_ok, cell, place.known, learned.cells)
             threshold, source, expected = learned.threshold, "learned", learned.large_share
         else:
-            threshold, source, expected = self.threshold(policy, principal.tenant_name)
+            threshold, source, expected = self.threshold(policy, principal.tenant_name, place.kind)
             used = p_ok if place.known else dict.fromkeys(p_ok, 0.0)  # unlike the labels: nothing below large yet
         choice = cheapest_tier(used, threshold, ladder)  # the router's own choice, before the policy's tiers
         self.drift.add(choice == LARGE, expected)
@@ -256,15 +256,16 @@ class RoutingStage:
         """The tiers below large this tenant's `auto` may pick: what a large-served request is explored on."""
         return [t for t in self._ladders(policy)[1] if t != LARGE]
 
-    def threshold(self, policy: Policy, tenant: str) -> tuple[float, str, float | None]:
-        """(threshold, where it came from, the large share it was calibrated to send)."""
+    def threshold(self, policy: Policy, tenant: str, kind: str | None = None) -> tuple[float, str, float | None]:
+        """(threshold, where it came from, the large share it was calibrated to send) for a request of `kind`
+        (mode quality_ratio keeps the floor on that kind's own held-out curve)."""
         assert self.service is not None
         router, settings = self.service.router, policy.router
         if settings.mode == "threshold":
             return settings.threshold, "policy", None
         if settings.mode == "quality_ratio":
             # the floor (raised by a recalibration), on a curve that routes to tiny where this tenant may use it
-            found = router.threshold_for_floor(settings.floor, tiny=TINY in self._tiers(policy))
+            found = router.threshold_for_floor(settings.floor, tiny=TINY in self._tiers(policy), kind=kind)
             if found is not None:
                 return found[0], "floor", found[1]
             return router.threshold, "global", router.large_share_for(None)

@@ -125,3 +125,56 @@ def test_a_floor_becomes_the_threshold_with_the_fewest_large_calls_that_keep_it(
     # a router trained before the curve was kept: no floor to compute
     older = dataclasses.replace(router, metadata={k: v for k, v in router.metadata.items() if k != "heldout_curve"})
     assert older.threshold_for_floor(0.95) is None
+
+
+def test_the_floor_holds_on_each_kind_of_request_alone() -> None:
+    """With kinds on the held-out curve, a tool request's threshold keeps the floor on the tool prompts alone: the
+    whole curve's threshold, mostly text, would miss it there; a kind with too few held-out prompts gets none."""
+    import numpy as np
+
+    from router_model.kinds import TEXT, TOOLS
+    from router_model.model import MIN_KIND_HELDOUT, Router
+
+    rng = np.random.default_rng(0)
+    # text: small is right wherever P says > 0.3; tools: small is wrong below 0.7, where text trusts it
+    p_text, p_tools = rng.uniform(0, 1, 200), rng.uniform(0, 1, 40)
+    curve = {
+        "p": [*p_text, *p_tools],
+        "small_ok": [*(p_text > 0.3), *(p_tools > 0.7)],
+        "large_ok": [True] * 240,
+        "kind": [TEXT] * 200 + [TOOLS] * 40,
+    }
+    router = Router(object(), {"heldout_curve": curve}, embedder=object())  # type: ignore[arg-type]
+    whole, text, tools = (router.threshold_for_floor(0.95, kind=k) for k in (None, TEXT, TOOLS))
+    assert whole is not None and text is not None and tools is not None
+
+    def quality(threshold: float, p: np.ndarray, cut: float) -> float:
+        return float(np.where(p < threshold, True, p > cut).mean())
+
+    assert quality(tools[0], p_tools, 0.7) >= 0.95 and quality(text[0], p_text, 0.3) >= 0.95
+    assert quality(whole[0], p_tools, 0.7) < 0.95  # the average's threshold, on the tool prompts
+    assert tools[0] > whole[0] and tools[1] == float(np.mean(p_tools < tools[0]))
+    few = {**curve, "kind": [TEXT] * (240 - MIN_KIND_HELDOUT + 1) + [TOOLS] * (MIN_KIND_HELDOUT - 1)}
+    assert Router(object(), {"heldout_curve": few}, embedder=object()).threshold_for_floor(0.95, kind=TOOLS) is None  # type: ignore[arg-type]
+    older = {k: v for k, v in curve.items() if k != "kind"}  # a router that kept no kinds: the whole curve
+    assert Router(object(), {"heldout_curve": older}, embedder=object()).threshold_for_floor(0.95, kind=TOOLS) == whole  # type: ignore[arg-type]
+
+
+def test_a_kind_is_known_only_with_enough_held_out_labels() -> None:
+    """`router_model.train._kinds`: tools with fewer than MIN_KIND_HELDOUT held-out labels stay out of distribution
+    however many training labels they have; a small file whose held-out split is thin knows its main kind."""
+    from router_model.examples import Example
+    from router_model.kinds import TEXT, TOOLS, TOOLS_NOTE
+    from router_model.model import MIN_KIND_HELDOUT
+    from router_model.train import _kinds
+
+    def example(i: int, tools: bool) -> Example:
+        note = [{"role": "system", "content": f"{TOOLS_NOTE} 1 tools: f."}] if tools else []
+        return Example(f"e{i}", "s", True, True, [*note, {"role": "user", "content": f"q{i}"}])
+
+    train = [example(i, i % 2 == 0) for i in range(200)]
+    text = [example(1000 + i, False) for i in range(MIN_KIND_HELDOUT)]
+    tools = [example(2000 + i, True) for i in range(MIN_KIND_HELDOUT)]
+    assert _kinds(train, text + tools[:-1]) == [TEXT]
+    assert _kinds(train, text + tools) == [TEXT, TOOLS]
+    assert _kinds(train, text[:3] + tools[:2]) == [TEXT]  # none has enough: the kind most labels are (text 100+3)

@@ -44,7 +44,7 @@ from policies.tune_prompts import tenant_prompts
 from router_model.drift import LargeShareWindow, Shares
 from router_model.encoder import RouterEncoder
 from router_model.examples import Example, split_examples
-from router_model.kinds import TOOLS_NOTE
+from router_model.kinds import TEXT, TOOLS_NOTE
 from router_model.model import load_router, read_metadata, save_router, write_metadata
 from router_model.routed_prompts import RoutedPromptStore
 from router_model.synthetic import synthetic_examples, write_label_file
@@ -68,7 +68,8 @@ def with_tools(e: Example) -> Example:
 @pytest.fixture(scope="module")
 def router_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     train, heldout = split_examples(synthetic_examples(200, seed=1), test_size=0.25, seed=0)
-    train = [*train, *(with_tools(e) for e in train[::3])]
+    # tool-kind labels on both sides: a kind is known only with enough held-out prompts to keep its floor on
+    train, heldout = [*train, *(with_tools(e) for e in train[::3])], [*heldout, *(with_tools(e) for e in heldout[::2])]
     result = train_router(train, heldout, RouterEncoder(), seed=0, folds=2, candidates=("hist_gb",), large_share=0.4)
     return save_router(result.router, tmp_path_factory.mktemp("router") / "router")
 
@@ -281,7 +282,7 @@ def test_a_quality_floor_routes_by_the_threshold_it_implies(gateway: Gateway) ->
     """Mode quality_ratio: each tenant's requests go large exactly when P(small is good enough) falls below
     the threshold its floor implies on the router's held-out curve; a higher floor sends more large."""
     router = load_router(gateway.router_dir)
-    implied = {ratio: router.threshold_for_floor(ratio) for ratio in (0.5, 1.0)}
+    implied = {ratio: router.threshold_for_floor(ratio, kind=TEXT) for ratio in (0.5, 1.0)}  # on text's own curve
     assert all(v is not None for v in implied.values())
     assert implied[0.5][1] <= implied[1.0][1]  # type: ignore[index]
     for ratio, (threshold, _) in implied.items():  # type: ignore[misc]
@@ -389,8 +390,8 @@ def test_a_new_tenant_is_held_to_the_default_quality_floor(gateway: Gateway) -> 
     assert checks.checks == ["prompt_examples"] and checks.cascade and checks.cascade_to == "large"
     assert current.policy.cache.enabled and current.policy.cache.semantic
     stage = running_pipeline(gateway.live.app).routing
-    implied = load_router(gateway.router_dir).threshold_for_floor(0.95)
-    assert implied is not None and stage.threshold(current.policy, name)[:2] == (implied[0], "floor")
+    implied = load_router(gateway.router_dir).threshold_for_floor(0.95, kind=TEXT)
+    assert implied is not None and stage.threshold(current.policy, name, TEXT)[:2] == (implied[0], "floor")
     for content in (SIMPLE, HARD):
         r = gateway.chat(key, content)
         assert r.status_code == 200
