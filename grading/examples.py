@@ -35,6 +35,7 @@ __all__ = [
     "Example",
     "defined_functions",
     "examples_program",
+    "passes_prompt_examples",
     "prompt_code",
     "prompt_examples",
     "run_examples",
@@ -313,3 +314,19 @@ def examples_program(code: str, examples: list[Example]) -> str:
 
 def run_examples(code: str, examples: list[Example], *, timeout: float = 10.0) -> SandboxResult:
     return run_python(examples_program(code, examples), timeout=timeout)
+
+
+def passes_prompt_examples(prompt: str, answer: str, *, timeout: float = 10.0) -> bool | None:
+    """Whether `answer`'s code passes the examples `prompt` gives (as the `prompt_examples` verifier runs them, in
+    the jail); None where there is nothing to run (no examples of a function the prompt or the answer defines) or
+    no jail to run it in: a judge decides then. A run that times out fails."""
+    from grading.sandbox import JailUnavailable
+
+    functions = defined_functions(prompt_code(prompt)) | defined_functions(answer_code(answer))
+    examples = prompt_examples(prompt, functions)
+    if not examples:
+        return None
+    try:
+        return run_examples(solution(prompt, answer, functions), examples, timeout=timeout).passed
+    except JailUnavailable:
+        return None

@@ -60,6 +60,7 @@ from gateway.routing.shadow_rows import (
     run_cost,
     shadow_usage,
 )
+from grading.examples import passes_prompt_examples
 from grading.graders import judge_messages, number_agreement, parse_verdict
 from policies.budgets import BudgetError, Budgets, Reservation
 from policies.pricing import worst_case
@@ -215,14 +216,18 @@ class Relabeler:
         self, engine: TierEngine, rid: str, job: ShadowJob, reference: str, answer: str, spent: Spent
     ) -> tuple[bool, str | None]:
         """Whether `answer` is as good as the large tier's `reference` to the job's question: identical needs no
-        judge, else the large tier (`engine`) judges as `router label` does. (good enough, the verdict's text);
-        the judge's run goes into `spent.judge`."""
+        judge; a word problem is decided by its final number; code whose prompt gives examples by running them
+        (in the jail, as the `prompt_examples` check does); else the large tier (`engine`) judges as `router label`
+        does. (good enough, the verdict's text); the judge's run goes into `spent.judge`."""
         if reference.strip() == answer.strip():
             return True, None
         question = split_conversation(job.messages)[0]
         agree = number_agreement(question, reference, answer)
         if agree is not None:  # a word problem: its final numbers decide, as GSM8K is graded
             return agree, None
+        passed = await anyio.to_thread.run_sync(lambda: passes_prompt_examples(question, answer))
+        if passed is not None:  # the prompt's own examples, run on the cheaper answer
+            return passed, "prompt examples pass" if passed else "prompt examples fail"
         asked = judge_messages(question, reference, answer)
         judging = await anyio.to_thread.run_sync(engine.tokenizer.encode_chat, asked)
         try:

@@ -121,6 +121,18 @@ def test_prompt_examples_continue_without_examples_and_escalate_on_a_timeout() -
     assert slow.action is Action.ESCALATE and slow.reason == "prompt examples fail: timed out"
 
 
+def test_shadow_and_explore_judges_run_the_prompts_examples_on_a_cheaper_answer() -> None:
+    """`grading.examples.passes_prompt_examples`, which shadow and explore runs judge a code answer by before asking
+    the large tier: the verifier's verdict as a bool, None where the prompt gives nothing to run."""
+    from grading.examples import passes_prompt_examples
+
+    assert passes_prompt_examples(HUMANEVAL_STYLE, RIGHT_CODE) is True
+    assert passes_prompt_examples(HUMANEVAL_STYLE, BODY) is True
+    assert passes_prompt_examples(HUMANEVAL_STYLE, WRONG_CODE) is False
+    assert passes_prompt_examples(HUMANEVAL_STYLE, "I cannot help with that.") is False
+    assert passes_prompt_examples("Write a haiku about caches.", "Caches hold the past") is None
+
+
 def test_prompt_examples_on_every_humaneval_reference_solution() -> None:
     """HumanEval's own solutions pass their prompts' examples, but for the two prompts whose examples are
     wrong (47: a wrong median; 116: asserts its tests contradict); a stub that returns None never does."""
