@@ -26,6 +26,7 @@ from engines.kv.budget import KVBudget
 from engines.kv.cache import PagedKVCache, bytes_per_block
 from engines.kv.tier import KVTier
 from engines.kv.tier_link import TierLink
+from engines.lora.registry import Adapters
 from engines.model_runner import Chunk, ModelRunner
 from engines.models.llama import LlamaForCausalLM
 from engines.protocol import BlockUse, EngineStats, KVMemory, QueueStats, RequestRejected, StepMeter, check_context
@@ -208,10 +209,35 @@ class Engine:
             frozenset() if params.ignore_eos else self.tokenizer.eos_token_ids
         )
         detok = IncrementalDetokenizer(self.tokenizer.backend, params.stop)
-        table = BlockTable(salt=f"{self.salt}|{request.cache_salt}")
+        table = BlockTable(salt=f"{self.salt}|{request.cache_salt}{self._adapter_salt(request.adapter)}")
         seq = Sequence(request, detok, stop_ids, table, arrival=next(self._arrival))
         self._seqs[request.request_id] = seq
         self.scheduler.add(seq)
+
+    @functools.cached_property
+    def adapters(self) -> Adapters:
+        """The LoRA adapters this engine serves (`engines.lora`), loaded with `load_adapter`."""
+        return Adapters(self.model)
+
+    def load_adapter(self, name: str, path: str | Path) -> None:
+        """Serve the PEFT adapter at `path` as `name` from now on (AdapterError, loading nothing, if it cannot be)."""
+        self.adapters.load(name, path, busy={s.request.adapter for s in self._seqs.values() if s.request.adapter})
+
+    def unload_adapter(self, name: str) -> bool:
+        """Stop serving `name` (False if it was not loaded); a running request under it is refused the unload."""
+        if any(s.request.adapter == name for s in self._seqs.values()):
+            raise RequestRejected(f"adapter {name!r} is in use by running requests")
+        return self.adapters.unload(name)
+
+    def _adapter_salt(self, name: str | None) -> str:
+        """What a request's adapter adds to its prefix-cache salt: its digest (a prefix computed under one adapter is
+        never reused under another, or under the base); RequestRejected for an adapter not loaded here."""
+        if name is None:
+            return ""
+        adapter = self.adapters.use(name)
+        if adapter is None:
+            raise RequestRejected(f"adapter {name!r} is not loaded on this engine")
+        return f"|adapter:{adapter.digest}"
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; None if it is not here (finished or unknown)."""
@@ -261,10 +287,11 @@ class Engine:
             draft = drafts[i].tokens if i in drafts else []
             ends = done + n == len(seq.token_ids)
             tokens, blocks = seq.token_ids[done : done + n] + draft, seq.block_table.block_ids
+            adapter = seq.request.adapter
             if (layer := seq.request.hidden_layer) is not None:  # prefill only: a hidden state, no logits
-                chunks.append(Chunk(tokens, done, blocks, 0, layer if ends else None))
+                chunks.append(Chunk(tokens, done, blocks, 0, layer if ends else None, adapter))
             else:
-                chunks.append(Chunk(tokens, done, blocks, ends + len(draft)))
+                chunks.append(Chunk(tokens, done, blocks, ends + len(draft), adapter=adapter))
         return StepPlan(batch, drafts, chunks)
 
     def _forward(self, plan: StepPlan) -> torch.Tensor:

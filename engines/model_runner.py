@@ -23,6 +23,7 @@ from engines.kernels.metadata import AttentionMetadata
 from engines.kernels.quantize import quantize_int8
 from engines.kv.cache import PagedKVCache
 from engines.layers.linear import Linear
+from engines.layers.lora import LoraBatch, lora_batch
 from engines.models.llama import HiddenTaps, LlamaForCausalLM
 
 
@@ -37,6 +38,7 @@ class Chunk:
     block_ids: list[int]
     num_logits: int = 1
     hidden_layer: int | None = None
+    adapter: str | None = None  # the LoRA adapter its rows run under (`engines.layers.lora`); None: the base
 
 
 class ModelRunner:
@@ -72,7 +74,9 @@ class ModelRunner:
         (`on_device`: left where the model runs). The hidden states chunks ask for (`Chunk.hidden_layer`)
         are in `self.hidden` until the next forward."""
         self.hidden = {}
-        if self.graphs is not None and all(len(c.token_ids) == 1 and c.num_logits == 1 for c in chunks):
+        adapters = any(c.adapter is not None for c in chunks)  # graphs replay the base's products only
+        decodes = all(len(c.token_ids) == 1 and c.num_logits == 1 for c in chunks)
+        if self.graphs is not None and not adapters and decodes:
             bs = self.cache.block_size
             slots = [c.block_ids[c.num_computed // bs] * bs + c.num_computed % bs for c in chunks]
             hidden = self.graphs.run(
@@ -105,7 +109,9 @@ class ModelRunner:
         meta = AttentionMetadata.build(self.cache.block_size, tables, computed, new).to(device)
         ids, pos = torch.tensor(input_ids, device=device), torch.tensor(positions, device=device)
         taps, where = self._taps(chunks, order)
-        hidden = self.model(ids, pos, self.backend, meta, taps)
+        batch = self._adapter_rows(chunks, order, len(input_ids), device) if adapters else None
+        with lora_batch(batch):
+            hidden = self.model(ids, pos, self.backend, meta, taps)
         if taps is not None:
             self.hidden = {i: taps.states[layer][j].cpu() for i, (layer, j) in where.items()}
         rows = [r for i in range(len(chunks)) for r in rows_of[i]]
@@ -113,6 +119,20 @@ class ModelRunner:
             return torch.empty(0, self.model.config.vocab_size)
         pad = len(rows) == 1 and self.pad_lone
         return self._logits(hidden[rows * 2 if pad else rows], len(rows), on_device)  # the lm_head: never one row
+
+    @staticmethod
+    def _adapter_rows(chunks: list[Chunk], order: list[int], rows: int, device: torch.device) -> LoraBatch:
+        """The flat rows of each adapter's chunks (a lone token's doubled row too: it runs twice)."""
+        by: dict[str, list[int]] = {}
+        start = 0
+        for i in order:
+            n = len(chunks[i].token_ids)
+            if (name := chunks[i].adapter) is not None:
+                by.setdefault(name, []).extend(range(start, start + n))
+            start += n
+        if rows == 2 * start:  # `pad_lone`: the one token's copy
+            by = {name: [*r, *(x + start for x in r)] for name, r in by.items()}
+        return LoraBatch({name: torch.tensor(r, device=device) for name, r in by.items()})
 
     @staticmethod
     def _taps(chunks: list[Chunk], order: list[int]) -> tuple[HiddenTaps | None, dict[int, tuple[int, int]]]:

@@ -65,6 +65,7 @@ class EngineRequest:
     # same prompt run next costs no second prefill) and the request ends with the residual stream of its
     # last token after this many decoder layers (`RequestOutput.hidden`), generating nothing.
     hidden_layer: int | None = None
+    adapter: str | None = None  # the LoRA adapter (loaded on the engine) it runs under; None: the base model
 
 
 @dataclass(frozen=True)

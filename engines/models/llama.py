@@ -19,6 +19,7 @@ from engines.kernels.metadata import AttentionBackend, AttentionMetadata
 from engines.layers.attention import SelfAttention
 from engines.layers.blocks import OffsetRMSNorm, RMSNorm, RotaryEmbedding, SwiGLU
 from engines.layers.linear import Embedding, Linear
+from engines.layers.lora import active_batch
 from engines.models.config import ModelConfig
 from engines.models.moe import SparseMoE
 from engines.models.native_decoder import NativeDecoder, enabled
@@ -115,7 +116,8 @@ class LlamaForCausalLM(nn.Module):
             hidden = hidden * torch.tensor(self.config.embed_scale, dtype=hidden.dtype)
         rope = self.rope(positions)
         local = None if self.local_rope is None else self.local_rope(positions)
-        native = self._native_decoder(backend) if taps is None else None
+        # (a step with LoRA adapters goes layer by layer: the library's call has no place for their deltas)
+        native = self._native_decoder(backend) if taps is None and active_batch() is None else None
         if native is not None:  # every layer in one library call: the same numbers, no per-layer Python
             hidden, residual = native.forward(hidden, rope, meta)
             return self.norm.add_norm(hidden, residual)[0]

@@ -27,7 +27,7 @@ def run_in_pieces(model: LlamaForCausalLM, ids: torch.Tensor, cuts: list[int], b
         cfg.head_dim,
         needed + 3,
         block_size,
-        model.embed_tokens.weight.dtype,
+        model.dtype,
     )
     table = torch.randperm(needed + 3, generator=torch.Generator().manual_seed(0))[:needed].tolist()
     cache.zero_blocks(list(range(needed + 3)))  # as the engine does before a block's first use
