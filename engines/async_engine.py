@@ -12,13 +12,16 @@ import contextlib
 import logging
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from engines.engine import Engine, EngineStats
+from engines.lora.adapter import load_adapter
 from engines.protocol import EngineUnavailable  # raised by `open` when the loop is stopped or has died
 from engines.request import EngineRequest, FinishReason, RequestOutput
 from engines.sampling import SamplingParams
@@ -28,6 +31,15 @@ if TYPE_CHECKING:
     from engines.structured import GrammarCompiler
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class _Call:
+    """Work for the engine's thread between two steps (loading an adapter), and where its result goes."""
+
+    call: Callable[[], Any]
+    done: Future[Any]
 
 
 @dataclass
@@ -42,7 +54,7 @@ class AsyncEngine:
         self.name = name
         self.threads = threads
         self._cond = threading.Condition()
-        self._inbox: list[EngineRequest | str] = []  # a request to add, or the id of one to abort
+        self._inbox: list[EngineRequest | str | _Call] = []  # a request to add, the id of one to abort, or a call
         self._streams: dict[str, _Stream] = {}
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -130,6 +142,26 @@ class AsyncEngine:
             self._cond.notify()
         return stream
 
+    async def load_adapter(self, name: str, path: str | Path) -> None:
+        """Serve the PEFT adapter at `path` as `name`: read and checked on a worker thread (AdapterError if it cannot
+        be served), then attached on the engine's thread between two steps, so no forward sees it half loaded."""
+        adapter = await asyncio.to_thread(load_adapter, path, self.engine.model)
+        await self._between_steps(lambda: self.engine.load_adapter(name, adapter))
+
+    async def unload_adapter(self, name: str) -> bool:
+        """Stop serving `name`, between two steps (RequestRejected while a running request uses it)."""
+        return await self._between_steps(lambda: self.engine.unload_adapter(name))
+
+    async def _between_steps(self, call: Callable[[], T]) -> T:
+        """`call`'s result, run on the engine's thread between steps (here, if the thread is not running)."""
+        if not self.alive:
+            return call()
+        done: Future[T] = Future()
+        with self._cond:
+            self._inbox.append(_Call(call, done))  # type: ignore[arg-type]
+            self._cond.notify()
+        return await asyncio.wrap_future(done)
+
     def abort(self, request_id: str) -> None:
         with self._cond:
             self._inbox.append(request_id)
@@ -161,10 +193,18 @@ class AsyncEngine:
         for item in inbox:
             if isinstance(item, EngineRequest):
                 self._deliver(_final_output(item, FinishReason.ABORT))
+            elif isinstance(item, _Call):
+                item.done.set_exception(EngineUnavailable(f"engine {self.name} stopped"))
         for rid in list(self._streams):
             self._apply(rid)
 
-    def _apply(self, item: EngineRequest | str) -> None:
+    def _apply(self, item: EngineRequest | str | _Call) -> None:
+        if isinstance(item, _Call):
+            try:
+                item.done.set_result(item.call())
+            except Exception as exc:
+                item.done.set_exception(exc)
+            return
         if isinstance(item, str):
             out = self.engine.abort(item)
             if out is not None:

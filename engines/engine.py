@@ -26,6 +26,7 @@ from engines.kv.budget import KVBudget
 from engines.kv.cache import PagedKVCache, bytes_per_block
 from engines.kv.tier import KVTier
 from engines.kv.tier_link import TierLink
+from engines.lora.adapter import LoraAdapter
 from engines.lora.registry import Adapters
 from engines.model_runner import Chunk, ModelRunner
 from engines.models.llama import LlamaForCausalLM
@@ -219,9 +220,14 @@ class Engine:
         """The LoRA adapters this engine serves (`engines.lora`), loaded with `load_adapter`."""
         return Adapters(self.model)
 
-    def load_adapter(self, name: str, path: str | Path) -> None:
-        """Serve the PEFT adapter at `path` as `name` from now on (AdapterError, loading nothing, if it cannot be)."""
-        self.adapters.load(name, path, busy={s.request.adapter for s in self._seqs.values() if s.request.adapter})
+    def load_adapter(self, name: str, adapter: str | Path | LoraAdapter) -> None:
+        """Serve the PEFT adapter at a path (or one read already) as `name` from now on (AdapterError, loading
+        nothing, if it cannot be)."""
+        busy = {s.request.adapter for s in self._seqs.values() if s.request.adapter}
+        if isinstance(adapter, LoraAdapter):
+            self.adapters.attach(name, adapter, busy)
+        else:
+            self.adapters.load(name, adapter, busy)
 
     def unload_adapter(self, name: str) -> bool:
         """Stop serving `name` (False if it was not loaded); a running request under it is refused the unload."""

@@ -28,7 +28,7 @@ from torch import nn
 from engines.kernels import cpu_kernels
 from engines.kernels.backends import backend_for
 from engines.kernels.quantize import QuantizedWeight
-from engines.layers.lora import LoraWeights, active_batch, add_lora
+from engines.layers.lora import LoraStacks, active_batch
 
 
 def _can_pack(weight: torch.Tensor) -> bool:
@@ -179,7 +179,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: torch.Tensor | None = None
         self.kernel: Int8Kernel | Int4Kernel | BackendKernel | None = None
-        self.loras: dict[str, LoraWeights] = {}  # adapter name → its pair here (`engines.layers.lora`)
+        self.loras = LoraStacks()  # the LoRA adapters that train this layer (`engines.layers.lora`)
 
     @property
     def format(self) -> str:
@@ -209,7 +209,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self._base(x)
         if self.loras and (batch := active_batch()) is not None:  # a step with adapters: their rows' deltas
-            out = add_lora(x, out, self.loras, batch)
+            out = self.loras.add(x, out, batch)
         return out
 
     def _base(self, x: torch.Tensor) -> torch.Tensor:

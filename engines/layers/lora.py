@@ -1,42 +1,57 @@
 """LoRA in a mixed batch: each row of a step may belong to an adapter, or to none (the bare base model).
 
 A linear layer computes its base product for every row at once (the weights are read once per step, whatever
-their format: bf16, int8, int4, a device kernel), then adds each adapter's low-rank delta to that adapter's rows
-only: y[rows] += (x[rows] @ Aᵀ) @ Bᵀ, one pair of small products per adapter in the step, as S-LoRA and Punica
-group them. The rank is small (16: a 1,536-wide projection's delta costs ~2% of its base product), so the delta
-runs in the activations' dtype with torch's own matmuls on any device; the base kernels are untouched.
+their format: bf16, int8, int4, a device kernel), then adds the step's adapters' low-rank deltas, each to its own
+rows. As S-LoRA and Punica do, the adapters of a step are stacked so the work does not grow with their number in
+operations, only in bytes: one shrink product of every row against every adapter's A (ranks are small: 8 adapters
+of rank 16 on a 896-wide layer are a 128 × 896 matrix), a mask that keeps each row's own adapter's columns, then one
+expand product per part of the layer (q, k, v of a fused q/k/v; gate, up) against the adapters' B side by side. The
+bytes read are the step's adapters' own, once: an adapter's B has no zero blocks for the parts it leaves out.
 
-The step's grouping (`LoraBatch`: adapter → the flat row indices) is set by the model runner around one forward
-(`lora_batch`) and read by every `Linear` that holds adapters; outside a forward, or in a step without adapters,
-nothing is added. A fused layer (q/k/v, gate/up) holds one pair per adapter: its parts' A matrices stacked and
-their B matrices block-diagonal, so a part the adapter does not train gets zeros (`engines.lora.adapter`).
+The step's grouping (`LoraBatch`: the adapters it runs, and each row's index among them, -1 for the base) is set by
+the model runner around one forward (`lora_batch`) and read by every `Linear` that holds adapters; outside a forward,
+or in a step without adapters, nothing is added. A layer keeps the stack of its last adapter sets (`LoraStacks`),
+rebuilt only when a step's set changes: consecutive decode steps of the same sequences reuse it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["LoraBatch", "LoraWeights", "active_batch", "add_lora", "lora_batch"]
+__all__ = ["LoraBatch", "LoraPart", "LoraStacks", "LoraWeights", "active_batch", "lora_batch", "stacked_rows"]
+
+_KEPT_STACKS = 2  # adapter sets a layer keeps stacked: the steady decode set and one other (a joining prefill)
+
+
+@dataclass(frozen=True)
+class LoraPart:
+    """One part of a layer's output an adapter trains: output rows [row, row + b.shape[0]), its B (rows, rank)."""
+
+    row: int
+    b: torch.Tensor  # the scale folded in
 
 
 @dataclass(frozen=True)
 class LoraWeights:
-    """One adapter's pair on one linear layer: A (rank, in), B (out, rank), its scale folded into B."""
+    """One adapter on one linear layer: A (Σ ranks, in), its parts' A rows stacked in the parts' order, and the
+    parts (each part's rank is its B's width)."""
 
     a: torch.Tensor
-    b: torch.Tensor
+    parts: tuple[LoraPart, ...]
 
 
 @dataclass(frozen=True)
 class LoraBatch:
-    """The step's rows by adapter name (flat row indices into the forward's tokens); rows of no adapter absent."""
+    """The adapters a step runs (`names`) and each flat row's index among them (`slots`, -1: the bare base)."""
 
-    rows: Mapping[str, torch.Tensor]
+    names: tuple[str, ...]
+    slots: torch.Tensor  # (rows,) int64
 
 
 _active: contextvars.ContextVar[LoraBatch | None] = contextvars.ContextVar("lora_batch", default=None)
@@ -49,21 +64,94 @@ def active_batch() -> LoraBatch | None:
 @contextlib.contextmanager
 def lora_batch(batch: LoraBatch | None) -> Iterator[None]:
     """Every `Linear` holding adapters adds their deltas to the rows `batch` gives them, inside this block."""
-    token = _active.set(batch if batch is not None and batch.rows else None)
+    token = _active.set(batch if batch is not None and batch.names else None)
     try:
         yield
     finally:
         _active.reset(token)
 
 
-def add_lora(x: torch.Tensor, out: torch.Tensor, weights: Mapping[str, LoraWeights], batch: LoraBatch) -> torch.Tensor:
-    """`out` (the base product of `x`) with each adapter's delta added to its rows. An adapter of the step that this
-    layer holds no pair for (it does not train the layer) adds nothing."""
-    for name, rows in batch.rows.items():
-        pair = weights.get(name)
-        if pair is None:
-            continue
-        part = x.index_select(0, rows)
-        delta = (part @ pair.a.T) @ pair.b.T
-        out = out.index_add(0, rows, delta.to(out.dtype))
-    return out
+@dataclass(frozen=True)
+class _Stack:
+    """A set of adapters on one layer, side by side: A (Σ ranks, in), which adapter (index into `names`) each of
+    its rows belongs to, and per distinct part (output rows) the column range of t = x·Aᵀ it reads and the Bs."""
+
+    names: tuple[str, ...]
+    a: torch.Tensor
+    owner: torch.Tensor  # (Σ ranks,) int64
+    parts: tuple[tuple[int, int, int, torch.Tensor], ...]  # (first output row, first column, columns, B)
+
+
+class LoraStacks:
+    """A layer's adapters (name → `LoraWeights`) and the stacks of its recent adapter sets."""
+
+    def __init__(self) -> None:
+        self.weights: dict[str, LoraWeights] = {}
+        self._stacks: OrderedDict[tuple[str, ...], _Stack] = OrderedDict()
+
+    def __bool__(self) -> bool:
+        return bool(self.weights)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.weights
+
+    def set(self, name: str, weights: LoraWeights) -> None:
+        self.weights[name] = weights
+        self._stacks.clear()
+
+    def drop(self, name: str) -> None:
+        if self.weights.pop(name, None) is not None:
+            self._stacks.clear()
+
+    def add(self, x: torch.Tensor, out: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
+        """`out` (the base product of `x`) with each row's adapter's delta added, where this layer holds it."""
+        here = tuple(n for n in batch.names if n in self.weights)
+        if not here:
+            return out
+        stack = self._stack(here)
+        local = torch.tensor([here.index(n) if n in here else -1 for n in batch.names] + [-1], device=x.device)
+        rows = local[batch.slots]  # each row's index in this stack (-1 via the last entry for the base's rows)
+        t = x @ stack.a.T
+        t = t * (rows[:, None] == stack.owner[None, :]).to(t.dtype)  # each row keeps its own adapter's columns
+        for row, col, cols, b in stack.parts:
+            out[:, row : row + b.shape[0]] += (t[:, col : col + cols] @ b.T).to(out.dtype)
+        return out
+
+    def _stack(self, names: tuple[str, ...]) -> _Stack:
+        stack = self._stacks.get(names)
+        if stack is None:
+            stack = self._stacks[names] = self._build(names)
+            while len(self._stacks) > _KEPT_STACKS:
+                self._stacks.popitem(last=False)
+        self._stacks.move_to_end(names)
+        return stack
+
+    def _build(self, names: tuple[str, ...]) -> _Stack:
+        """Columns grouped by part (every adapter's rank of a part side by side), so each expand reads one slice."""
+        by_part: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
+        for i, name in enumerate(names):
+            w, col = self.weights[name], 0
+            for part in w.parts:
+                rank = part.b.shape[1]
+                by_part.setdefault(part.row, []).append((i, w.a[col : col + rank], part.b))
+                col += rank
+        a_rows, owners, parts, col = [], [], [], 0
+        for row in sorted(by_part):
+            pieces = by_part[row]
+            width = sum(piece[1].shape[0] for piece in pieces)
+            parts.append((row, col, width, torch.cat([b for _, _, b in pieces], dim=1).contiguous()))
+            for i, a, _ in pieces:
+                a_rows.append(a)
+                owners += [i] * a.shape[0]
+            col += width
+        a = torch.cat(a_rows).contiguous()
+        return _Stack(names, a, torch.tensor(owners, device=a.device), tuple(parts))
+
+
+def stacked_rows(names: Mapping[str, list[int]], total: int, device: torch.device) -> LoraBatch:
+    """The batch of a step whose adapters own these flat rows (the rest are the base's)."""
+    order = tuple(sorted(names))
+    slots = torch.full((total,), len(order), dtype=torch.int64)  # len(order): the base, read as -1 by `local`
+    for i, name in enumerate(order):
+        slots[names[name]] = i
+    return LoraBatch(order, slots.to(device))

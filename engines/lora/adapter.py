@@ -2,9 +2,9 @@
 vLLM loads one), read into the pairs our fused linear layers add (`engines.layers.lora`).
 
 PEFT trains q, k, v and gate, up as separate matrices; we serve them fused (`qkv_proj`, `gate_up_proj`). A fused
-layer's pair stacks its parts' A matrices, (Σ ranks, in), and lays their B matrices block-diagonally, (out, Σ ranks):
-each part's rows of the output see only its own rank's columns, exactly as the separate products would, and a part
-the adapter leaves out gets no rows. The scale (`lora_alpha / r`, or `/ √r` with `use_rslora`) is folded into B.
+layer's weights stack its parts' A matrices, (Σ ranks, in), and keep each part's B with the output rows it adds to:
+each part's rows see only its own rank's columns, exactly as the separate products would, and a part the adapter
+leaves out costs nothing. The scale (`lora_alpha / r`, or `/ √r` with `use_rslora`) is folded into B.
 
 Refused with `AdapterError`, naming what is wrong, before anything is loaded: no config or no safetensors file (a
 pickled `adapter_model.bin` is never read), a config that is not LoRA or asks for what the serving path does not do
@@ -25,7 +25,7 @@ import torch
 
 from engines.checkpoints.loader import fused_name
 from engines.layers.linear import Linear
-from engines.layers.lora import LoraWeights
+from engines.layers.lora import LoraPart, LoraWeights
 from engines.models.llama import LlamaForCausalLM
 
 __all__ = ["AdapterError", "LoraAdapter", "load_adapter"]
@@ -51,7 +51,8 @@ class LoraAdapter:
 
     @property
     def nbytes(self) -> int:
-        return sum(p.a.numel() * p.a.element_size() + p.b.numel() * p.b.element_size() for p in self.pairs.values())
+        tensors = [t for p in self.pairs.values() for t in (p.a, *(part.b for part in p.parts))]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def load_adapter(path: str | Path, model: LlamaForCausalLM) -> LoraAdapter:
@@ -82,7 +83,7 @@ def load_adapter(path: str | Path, model: LlamaForCausalLM) -> LoraAdapter:
         parts.setdefault(ours, {})[shard] = (a.float(), b.float() * scale)
     pairs = {name: _fused(name, shards, model) for name, shards in parts.items()}
     digest = hashlib.sha256((path / CONFIG).read_bytes() + (path / WEIGHTS).read_bytes()).hexdigest()
-    rank = max(p.a.shape[0] for p in pairs.values())
+    rank = max(part.b.shape[1] for p in pairs.values() for part in p.parts)
     return LoraAdapter(path, digest, rank, pairs)
 
 
@@ -129,10 +130,8 @@ def _fused(name: str, shards: dict[int, tuple[torch.Tensor, torch.Tensor]], mode
     sizes = _part_sizes(name, linear, model)
     if max(shards) >= len(sizes):
         raise AdapterError(f"{name}: part {max(shards)} of {len(sizes)}")
-    ranks = [shards[s][0].shape[0] for s in sorted(shards)]
-    a = torch.zeros(sum(ranks), linear.in_features)
-    b = torch.zeros(linear.out_features, sum(ranks))
-    col = 0
+    dtype, device = model.dtype, model.device
+    a_rows, parts = [], []
     for shard in sorted(shards):
         part_a, part_b = shards[shard]
         row, rows = sum(sizes[:shard]), sizes[shard]
@@ -141,12 +140,9 @@ def _fused(name: str, shards: dict[int, tuple[torch.Tensor, torch.Tensor]], mode
                 f"{name} part {shard}: A {tuple(part_a.shape)} and B {tuple(part_b.shape)} do not fit "
                 f"{linear.in_features} → {rows}"
             )
-        r = part_a.shape[0]
-        a[col : col + r] = part_a
-        b[row : row + rows, col : col + r] = part_b
-        col += r
-    dtype, device = model.dtype, model.device
-    return LoraWeights(a.to(device, dtype).contiguous(), b.to(device, dtype).contiguous())
+        a_rows.append(part_a)
+        parts.append(LoraPart(row, part_b.to(device, dtype).contiguous()))
+    return LoraWeights(torch.cat(a_rows).to(device, dtype).contiguous(), tuple(parts))
 
 
 def _part_sizes(name: str, linear: Linear, model: LlamaForCausalLM) -> list[int]:

@@ -32,11 +32,14 @@ class Adapters:
         self._linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
 
     def load(self, name: str, path: str | Path, busy: Collection[str] = ()) -> LoraAdapter:
-        """Read the adapter at `path` and serve it as `name` (replacing one of that name); AdapterError if it cannot
-        be, or if the engine is full of adapters that `busy` (the running sequences' ones) says are in use."""
+        """Read the adapter at `path` and serve it as `name` (`attach`)."""
+        return self.attach(name, load_adapter(path, self.model), busy)
+
+    def attach(self, name: str, adapter: LoraAdapter, busy: Collection[str] = ()) -> LoraAdapter:
+        """Serve an adapter read for this model as `name` (replacing one of that name); AdapterError if the engine is
+        full of adapters that `busy` (the running sequences' ones) says are in use, or the one replaced is."""
         if not name or "|" in name:
             raise AdapterError(f"adapter name {name!r}: give a non-empty name without '|'")
-        adapter = load_adapter(path, self.model)
         if name in busy and name in self._loaded and self._loaded[name].digest != adapter.digest:
             raise AdapterError(f"adapter {name!r} is in use by running requests: it cannot be replaced now")
         if name not in self._loaded:
@@ -46,10 +49,10 @@ class Adapters:
                     raise AdapterError(f"all {self.capacity} adapters this engine holds are in use")
                 self.unload(idle)
         for module, pair in adapter.pairs.items():
-            self._linears[module].loras[name] = pair
+            self._linears[module].loras.set(name, pair)
         for module, linear in self._linears.items():  # a replaced adapter's layers it no longer trains
             if module not in adapter.pairs:
-                linear.loras.pop(name, None)
+                linear.loras.drop(name)
         self._loaded[name] = adapter
         self._loaded.move_to_end(name)
         return adapter
@@ -59,7 +62,7 @@ class Adapters:
         if self._loaded.pop(name, None) is None:
             return False
         for linear in self._linears.values():
-            linear.loras.pop(name, None)
+            linear.loras.drop(name)
         return True
 
     def use(self, name: str) -> LoraAdapter | None:
