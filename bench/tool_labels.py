@@ -11,10 +11,11 @@ included: `bench.tools.run_gateway`); each answer is right or wrong by `bench.bf
 Unlike open chat, the large answer is graded too, so `large_ok` can be false.
 
 A row (`router_model.label`'s format): id `bfcl/<BFCL id>`, source `bfcl_<category>`, `<tier>_ok`, label
-(= small_ok), `<tier>_model`, and `messages`: the conversation as the router reads it at serving time (the
-gateway's tools note, `gateway.tool_calls.routing_turns`, then the question's turns), so the label file needs no
-dataset to be read. Answers are kept under `--work` as they come (a rerun continues); rows already in `--out` are
-kept, and only questions without a row are labeled.
+(= small_ok), `<tier>_model`, `needs_call` (false for irrelevance: a right answer calls nothing), and `messages`:
+the conversation as the router reads it at serving time (the gateway's tools note,
+`gateway.tool_calls.routing_turns`, then the question's turns), so the label file needs no dataset to be read.
+Answers are kept under `--work` as they come (a rerun continues); rows already in `--out` are kept, and only
+questions without a row are labeled.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ def label_row(q: bfcl.Question, answers: dict[str, dict], models: dict[str, str]
         row[f"{tier}_calls"] = len(answer.get("calls") or [])
         row[f"{tier}_model"] = models[tier]
     row["label"] = row["small_ok"]
+    row["needs_call"] = q.category != "irrelevance"  # the floor is kept on each group (`router_model.floor`)
     row["messages"] = routed_messages(q)
     return row
 

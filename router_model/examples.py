@@ -30,6 +30,7 @@ class Example:
     large_ok: bool
     messages: Messages
     tiny_ok: bool | None = None  # labels made with a tiny tier (SmolLM2-135M) say whether it would do
+    needs_call: bool | None = None  # a tool request's labels say whether a right answer calls a tool (BFCL knows)
 
 
 def read_label_rows(path: Path) -> list[dict]:
@@ -88,6 +89,7 @@ def load_examples(path: Path, home: Path = DEFAULT_HOME) -> list[Example]:
             large_ok=bool(r["large_ok"]),
             messages=r["messages"] if "messages" in r else shipped[str(r["id"])],
             tiny_ok=None if r.get("tiny_ok") is None else bool(r["tiny_ok"]),
+            needs_call=None if r.get("needs_call") is None else bool(r["needs_call"]),
         )
         for r in rows
     ]

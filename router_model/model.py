@@ -21,6 +21,7 @@ from core.embedder import Embedder
 from engines.checkpoints.fetch import sha256_file
 from router_model.encoder import RouterEncoder
 from router_model.features import FEATURE_VERSION, Messages, featurize
+from router_model.floor import floor_threshold
 from router_model.hidden import HiddenSpec
 from router_model.kinds import TEXT, request_kind
 from router_model.regions import Regions
@@ -32,9 +33,6 @@ _EPS = 1e-6
 # A routing decision scores one row: starting OpenMP threads for it costs more than the work (gradient
 # boosting, one row, busy 2-CPU machine: 16 ms on two threads, 1.3 ms on one).
 _FEW_ROWS = 64
-# Held-out prompts of a kind before its own curve sets its threshold and the kind counts as known: at 20 one
-# answer is 5 points of quality; fewer and the floor could not be checked on that kind at all.
-MIN_KIND_HELDOUT = 20
 _controller: ThreadpoolController | None = None
 
 
@@ -137,35 +135,16 @@ class Router:
         router's held-out curve: the fewest large calls whose quality there is at least ratio × the large
         tier's. `tiny`: the tiny tier is on the ladder too (served and allowed), so the curve routes each
         prompt as `cheapest_tier` would, tiny verdicts included (a router with a P(tiny_ok) keeps them on its
-        curve). `kind`: on that kind's held-out prompts alone (`router_model.kinds`), so the floor holds per kind
-        of request, not only on the average (a router that kept no kinds on its curve: the whole curve). None for
-        a router trained before the curve was kept, or for a kind its curve has too few prompts of."""
-        from router_model.calibrate import threshold_for_ladder_floor, threshold_for_quality_floor
-
+        curve). `kind`: on that kind's held-out prompts, and each finer group of it the curve marks
+        (`router_model.floor`), so the floor holds per kind of request, not only on the average (a router that kept
+        no kinds on its curve: the whole curve). The large share is on the kind's prompts. None for a router trained
+        before the curve was kept, or for a kind its curve has too few prompts of."""
         curve = self.metadata.get("heldout_curve")
         with_tiny = bool(tiny and curve and curve.get("p_tiny"))
         key = (ratio, with_tiny, kind if curve and curve.get("kind") else None)
-        if key in self._floors:
-            return self._floors[key]
-        found = None
-        if curve and curve.get("p"):
-            rows = np.ones(len(curve["p"]), bool)
-            if key[2] is not None:
-                rows = np.asarray(curve["kind"]) == kind
-            if rows.sum() >= (MIN_KIND_HELDOUT if key[2] is not None else 1):
-                p = np.asarray(curve["p"], float)[rows]
-                small_ok = np.asarray(curve["small_ok"], bool)[rows]
-                large_ok = np.asarray(curve["large_ok"], bool)[rows]
-                target = ratio * float(large_ok.mean())
-                if with_tiny:
-                    p_tiny = np.asarray(curve["p_tiny"], float)[rows]
-                    tiny_ok = [v for v, r in zip(curve["tiny_ok"], rows, strict=True) if r]
-                    found = threshold_for_ladder_floor(p, small_ok, large_ok, target, p_tiny, tiny_ok)
-                else:
-                    threshold = threshold_for_quality_floor(p, small_ok, large_ok, target)
-                    found = threshold, float(np.mean(p < threshold))
-        self._floors[key] = found
-        return found
+        if key not in self._floors:
+            self._floors[key] = floor_threshold(curve, ratio, with_tiny, key[2]) if curve and curve.get("p") else None
+        return self._floors[key]
 
     def threshold_for(self, tenant: str | None = None) -> float:
         """The tenant's calibrated threshold where there is one, else the global one."""

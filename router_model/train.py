@@ -37,9 +37,10 @@ from router_model.examples import (
     split_examples,
 )
 from router_model.features import CHEAP_FEATURES, FEATURE_VERSION, featurize
+from router_model.floor import MIN_KIND_HELDOUT
 from router_model.hidden import HiddenSpec
 from router_model.kinds import request_kind
-from router_model.model import MIN_KIND_HELDOUT, Router, predict_p_small_ok
+from router_model.model import Router, predict_p_small_ok
 from router_model.regions import fit_regions
 
 ALL_CANDIDATES = CANDIDATES | HIDDEN_CANDIDATES
@@ -167,13 +168,20 @@ def train_router(
 
 def _curve(held_p: np.ndarray, heldout: Sequence[Example]) -> dict[str, list]:
     """The kept classifier's held-out curve, so a quality floor becomes a threshold without rescoring; with each
-    prompt's kind, so the floor is kept per kind (`Router.threshold_for_floor`)."""
+    prompt's kind and group (a tool request that needs a call, or none), so the floor is kept on each
+    (`router_model.floor`)."""
+    kinds = [request_kind(e.messages) for e in heldout]
     return {
         "p": [round(float(x), 6) for x in held_p],
         "small_ok": [bool(e.small_ok) for e in heldout],
         "large_ok": [bool(e.large_ok) for e in heldout],
-        "kind": [request_kind(e.messages) for e in heldout],
+        "kind": kinds,
+        "group": [_group(k, e.needs_call) for k, e in zip(kinds, heldout, strict=True)],
     }
+
+
+def _group(kind: str, needs_call: bool | None) -> str:
+    return kind if needs_call is None else f"{kind}/{'call' if needs_call else 'none'}"
 
 
 def _kinds(train: Sequence[Example], heldout: Sequence[Example]) -> list[str]:

@@ -132,8 +132,9 @@ def test_the_floor_holds_on_each_kind_of_request_alone() -> None:
     whole curve's threshold, mostly text, would miss it there; a kind with too few held-out prompts gets none."""
     import numpy as np
 
+    from router_model.floor import MIN_KIND_HELDOUT
     from router_model.kinds import TEXT, TOOLS
-    from router_model.model import MIN_KIND_HELDOUT, Router
+    from router_model.model import Router
 
     rng = np.random.default_rng(0)
     # text: small is right wherever P says > 0.3; tools: small is wrong below 0.7, where text trusts it
@@ -164,8 +165,8 @@ def test_a_kind_is_known_only_with_enough_held_out_labels() -> None:
     """`router_model.train._kinds`: tools with fewer than MIN_KIND_HELDOUT held-out labels stay out of distribution
     however many training labels they have; a small file whose held-out split is thin knows its main kind."""
     from router_model.examples import Example
+    from router_model.floor import MIN_KIND_HELDOUT
     from router_model.kinds import TEXT, TOOLS, TOOLS_NOTE
-    from router_model.model import MIN_KIND_HELDOUT
     from router_model.train import _kinds
 
     def example(i: int, tools: bool) -> Example:
@@ -178,3 +179,30 @@ def test_a_kind_is_known_only_with_enough_held_out_labels() -> None:
     assert _kinds(train, text + tools[:-1]) == [TEXT]
     assert _kinds(train, text + tools) == [TEXT, TOOLS]
     assert _kinds(train, text[:3] + tools[:2]) == [TEXT]  # none has enough: the kind most labels are (text 100+3)
+
+
+def test_the_floor_holds_on_tool_requests_that_need_a_call_however_many_need_none() -> None:
+    """`router_model.floor`: tool requests that need no call (a cheaper tier declines rightly, large calls wrongly)
+    cannot pay for the ones that need a call: with the groups on the curve, the threshold keeps the floor on each."""
+    import numpy as np
+
+    from router_model.kinds import TOOLS
+    from router_model.model import Router
+
+    rng = np.random.default_rng(1)
+    p_call, p_none = rng.uniform(0, 1, 40), rng.uniform(0, 1, 20)
+    curve = {
+        "p": [*p_call, *p_none],
+        "small_ok": [*(p_call > 0.7), *([True] * 20)],
+        "large_ok": [True] * 40 + [False] * 20,
+        "kind": [TOOLS] * 60,
+        "group": ["tools/call"] * 40 + ["tools/none"] * 20,
+    }
+    grouped = Router(object(), {"heldout_curve": curve}, embedder=object())  # type: ignore[arg-type]
+    mixed = Router(object(), {"heldout_curve": {k: v for k, v in curve.items() if k != "group"}}, embedder=object())  # type: ignore[arg-type]
+    (with_groups, _), (without, _) = (r.threshold_for_floor(0.95, kind=TOOLS) for r in (grouped, mixed))  # type: ignore[misc]
+
+    def on_calls(threshold: float) -> float:
+        return float(np.where(p_call < threshold, True, p_call > 0.7).mean())
+
+    assert on_calls(without) < 0.95 <= on_calls(with_groups)  # the calls' own quality, against large's 1.0
