@@ -6,8 +6,8 @@ Adapters: `--adapters` (8) random rank-16 PEFT adapters on every projection of t
 with `peft` and saved in its format, then loaded by `Engine.load_adapter`). For 1, 8 and 16 sequences (64-token
 prompts) spread round-robin over 0 (the bare base), 1, 4 and 8 adapters, the median decode step time over
 `--steps` steps once every sequence decodes, all in one engine in one run. Checks: each sequence's greedy tokens
-in the mixed batch equal those of its adapter served alone; and, on the float checkpoint (bf16), one adapter's
-logits against transformers + PEFT on the same files (the largest difference, in the bf16 tolerance).
+in the mixed batch equal those of its adapter served alone; and, on the float checkpoint (fp32), one adapter's
+logits against transformers + PEFT on the same files (the largest difference).
 
 The last line is one JSON object: `step_ms` (sequences → adapters → ms), `mixed_vs_base_step_ratio_16` (16
 sequences over 8 adapters against 16 on the base; target ≤ 1.3), `alone_equal`, `peft_max_abs_diff`,
@@ -48,6 +48,10 @@ def make_adapters(model_dir: Path, out: Path, n: int) -> list[Path]:
         torch.manual_seed(i)
         config = peft.LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=TARGETS, init_lora_weights=False)
         model = peft.get_peft_model(base, config)
+        with torch.no_grad():  # PEFT's random B moves the logits by tens; a trained adapter's delta is small
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.mul_(0.01)
         model.save_pretrained(path)
         base = model.unload()  # the base again, without this adapter's layers
     return paths
@@ -77,7 +81,7 @@ def step_ms(engine: Engine, seqs: int, adapters: int, steps: int) -> tuple[float
 
 
 def peft_diff(model_dir: Path, adapter: Path) -> float:
-    """Largest |logit| difference, ours (bf16, float weights) against transformers + PEFT (bf16), one prompt."""
+    """Largest |logit| difference, ours (fp32, float weights) against transformers + PEFT (fp32), one prompt."""
     import peft
     from transformers import AutoModelForCausalLM
 
@@ -88,9 +92,9 @@ def peft_diff(model_dir: Path, adapter: Path) -> float:
     from engines.layers.lora import LoraBatch, lora_batch
     from engines.lora import Adapters
 
-    ours = load_model(model_dir, "bf16")
+    ours = load_model(model_dir, "fp32")
     ids = torch.tensor(prompts(1, ours.config.vocab_size)[0])
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         expected = peft.PeftModel.from_pretrained(hf, adapter).eval()(ids[None]).logits[0].float()
     Adapters(ours).load("a", adapter)
