@@ -8,7 +8,7 @@ of rank 16 on a 896-wide layer are a 128 × 896 matrix), a mask that keeps each 
 expand product per part of the layer (q, k, v of a fused q/k/v; gate, up) against the adapters' B side by side. The
 bytes read are the step's adapters' own, once: an adapter's B has no zero blocks for the parts it leaves out.
 
-The step's grouping (`LoraBatch`: the adapters it runs, and each row's index among them, -1 for the base) is set by
+The step's grouping (`LoraBatch`: its adapters, each row's index among them, len(names) for the base) is set by
 the model runner around one forward (`lora_batch`) and read by every `Linear` that holds adapters; outside a forward,
 or in a step without adapters, nothing is added. A layer keeps the stack of its last adapter sets (`LoraStacks`),
 rebuilt only when a step's set changes: consecutive decode steps of the same sequences reuse it. A row's delta does
@@ -154,8 +154,9 @@ class LoraStacks:
                 a_rows.append(a)
                 owners += [i] * a.shape[0]
             col += width
-        # On a CPU the deltas run in fp32: its bf16 matmuls of these shapes take a slow path (1.2 ms for 16 × 896 ×
-        # 128, measured on Zen 5), fp32's are microseconds; the adapters' bytes double (rank 16 is ~2% of a layer).
+        # On a CPU the deltas run in fp32: torch's unpacked bf16 matmuls of these shapes took a slow path (1.2 ms a
+        # call inside a step on Zen 5; fp32's 16 × 128 × 4864 expand ~0.25 ms standalone); the stack's bytes double
+        # (8 rank-16 adapters of the 0.5B: 141 MB in bf16 against its 494 MB of int8 weights).
         dtype = torch.float32 if a_rows[0].device.type == "cpu" else a_rows[0].dtype
         a = torch.cat(a_rows).to(dtype).contiguous()
         parts = [(row, c, w, b.to(dtype)) for row, c, w, b in parts]
