@@ -101,6 +101,11 @@ class Build:
         return HOME / f"{VERSION}-{self.variant}-{self.key}"
 
     def wheel(self) -> Path | None:
+        """The finished build's wheel: one with its build.json (written after the tile check passed)."""
+        return self.built_wheel() if (self.folder / "build.json").exists() else None
+
+    def built_wheel(self) -> Path | None:
+        """Whatever wheel pip left in the folder, finished or not."""
         return next(iter(sorted(self.folder.glob("*.whl"))), None)
 
     def info(self) -> dict:
@@ -120,6 +125,8 @@ def build(b: Build, say: Callable[[str], None] = print) -> Path:
     """pip builds the wheel from source, not from or into its cache; progress from ninja's steps, the whole output
     in build.log beside the wheel."""
     b.folder.mkdir(parents=True, exist_ok=True)
+    for stale in [*b.folder.glob("*.whl"), b.folder / "build.json"]:  # an unfinished try's
+        stale.unlink(missing_ok=True)
     log = b.folder / "build.log"
     flags = " ".join(b.flags)
     env = {**os.environ, "CMAKE_ARGS": CMAKE_ARGS, "CFLAGS": flags, "CXXFLAGS": flags,
@@ -128,30 +135,52 @@ def build(b: Build, say: Callable[[str], None] = print) -> Path:
         f"about 5-15 minutes on 2 vCPUs; log: {log}")  # fmt: skip
     command = [sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-cache-dir", "--no-binary",
                "llama-cpp-python", "-w", str(b.folder), f"llama-cpp-python=={VERSION}"]  # fmt: skip
-    started, last, compile_line = time.monotonic(), 0.0, ""
+    started, last = time.monotonic(), 0.0
     with log.open("w") as out, subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                                 text=True) as proc:  # fmt: skip
         assert proc.stdout is not None
         for line in proc.stdout:
             out.write(line)
-            if not compile_line and "ggml-cpu.c.o" in line and " -c " in line:
-                compile_line = line.split("] ", 1)[-1].strip()
             if (step := STEP.match(line)) and time.monotonic() - last > 30:
                 last = time.monotonic()
                 say(f"  llama.cpp build: step {step.group(1)}/{step.group(2)}, {last - started:.0f} s")
-    wheel = b.wheel()
-    if proc.returncode != 0 or wheel is None:
+    if proc.returncode != 0 or b.built_wheel() is None:
         raise SystemExit(f"building llama-cpp-python failed (exit {proc.returncode}); see {log}")
+    return finish(b, round(time.monotonic() - started), say)
+
+
+def finish(b: Build, build_s: int | None, say: Callable[[str], None] = print) -> Path:
+    """The tile check on the wheel pip built, then its build.json: a wheel counts as built only from here on."""
+    wheel, log = b.built_wheel(), b.folder / "build.log"
+    assert wheel is not None
     tiles = tile_instructions(wheel)
     if not b.has_amx() and tiles:
         wheel.unlink()
         raise SystemExit(f"the {b.variant} build holds AMX tile instructions ({tiles}); see {log}")
     info = {"version": VERSION, "cmake_args": CMAKE_ARGS, "variant": b.variant, "key": b.key, "flags": list(b.flags),
-            "macros": list(b.macros), "compile_line": compile_line, "cpu": cpu_name(), "tile_instructions": tiles,
-            "wheel": wheel.name, "build_s": round(time.monotonic() - started)}  # fmt: skip
-    (b.folder / "build.json").write_text(json.dumps(info, indent=1))
-    say(f"built {wheel.name} in {info['build_s']} s")
+            "macros": list(b.macros), "compile_line": compile_line(log), "cpu": cpu_name(), "tile_instructions": tiles,
+            "wheel": wheel.name, "build_s": build_s}  # fmt: skip
+    part = b.folder / "build.json.part"  # renamed whole: a stopped write leaves no half record
+    part.write_text(json.dumps(info, indent=1))
+    part.replace(b.folder / "build.json")
+    say(f"built {wheel.name}" + (f" in {build_s} s" if build_s is not None else " (checked and recorded)"))
     return wheel
+
+
+def compile_line(log: Path) -> str:
+    """One compile command of ggml's CPU backend from pip's verbose log: the flags the compiler really got."""
+    with log.open(errors="replace") as lines:
+        for line in lines:
+            if "ggml-cpu.c.o" in line and " -c " in line:
+                return line.split("] ", 1)[-1].strip()
+    return ""
+
+
+def resumable(b: Build) -> bool:
+    """pip finished this wheel from its source here (its log says so) but the check after it did not: the build
+    was stopped in the tile check, which reads every library's disassembly."""
+    log = b.folder / "build.log"
+    return b.wheel() is None and b.built_wheel() is not None and log.exists() and bool(compile_line(log))
 
 
 def tile_instructions(path: Path) -> dict[str, int]:
@@ -179,7 +208,9 @@ def installed() -> dict | None:
 
 def install(b: Build, say: Callable[[str], None] = print) -> dict:
     """Into this venv: the wheel (built first when missing) with the `server` extra's requirements."""
-    wheel = b.wheel() or build(b, say)
+    # A wheel without its record is one whose check never ended: finished from its log, else built again (pip's
+    # wheel alone proves neither the flags nor the absence of tile instructions).
+    wheel = b.wheel() or (finish(b, None, say) if resumable(b) else build(b, say))
     pip = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
     subprocess.run([*pip, "--force-reinstall", "--no-deps", str(wheel)], check=True)
     subprocess.run([*pip, f"{wheel}[server]"], check=True)

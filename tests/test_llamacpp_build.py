@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,39 @@ def test_the_tile_check_finds_tile_code(tmp_path: Path) -> None:
         subprocess.run([lb.compiler(), "-O2", "-shared", "-fPIC", *flags, str(source), "-o", str(lib)], check=True)
         found[name] = lb.tile_instructions(lib.parent)
     assert sum(found["amx"].values()) >= 4 and found["noamx"] == {}
+
+
+def test_a_wheel_without_its_record_is_finished_from_its_log_or_not_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A build stopped in its tile check leaves pip's wheel and no build.json (as a CI cache once did): the wheel
+    is not taken as built; with pip's log beside it the check runs and the record is written, a wheel with tile
+    code is deleted, and without the log it is built again."""
+    monkeypatch.setattr(lb, "HOME", tmp_path)
+    b = lb.plan("native-noamx")
+    b.folder.mkdir(parents=True)
+    source = tmp_path / "f.c"
+    source.write_text("int f(int x) { return x + 1; }\n")
+    lib = tmp_path / "libggml-cpu.so"
+    subprocess.run([lb.compiler(), "-O2", "-shared", "-fPIC", str(source), "-o", str(lib)], check=True)
+    wheel = b.folder / f"llama_cpp_python-{lb.VERSION}-cp311-cp311-linux_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.write(lib, "llama_cpp/lib/libggml-cpu.so")
+    assert b.wheel() is None and b.built_wheel() == wheel and not lb.resumable(b)  # no log: built again
+    line = "cc -march=native -mno-amx-tile -O3 -c ggml-cpu.c -o ggml-cpu.c.o"
+    (b.folder / "build.log").write_text(f"[3/40] {line}\n")
+    assert lb.resumable(b)
+    said: list[str] = []
+    assert lb.finish(b, None, said.append) == wheel and b.wheel() == wheel
+    info = b.info()
+    assert (info["variant"], info["key"], info["compile_line"], info["tile_instructions"]) == (
+        "native-noamx", b.key, line, {})  # fmt: skip
+    assert said == [f"built {wheel.name} (checked and recorded)"] and not lb.resumable(b)
+    (b.folder / "build.json").unlink()
+    monkeypatch.setattr(lb, "tile_instructions", lambda path: {"libggml-cpu.so": 7})
+    with pytest.raises(SystemExit, match="AMX tile instructions"):
+        lb.finish(b, None, said.append)
+    assert not wheel.exists() and b.wheel() is None and not (b.folder / "build.json").exists()
 
 
 def test_the_venvs_build_is_this_cpus_and_holds_no_tile_instruction() -> None:
