@@ -103,7 +103,7 @@ def peft_diff(model_dir: Path, adapter: Path) -> float:
     cache = PagedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, blocks, 16, ours.dtype)
     cache.zero_blocks(list(range(blocks)))
     meta = AttentionMetadata.build(16, [list(range(blocks))], [0], [len(ids)])
-    with torch.no_grad(), lora_batch(LoraBatch(("a",), torch.zeros(len(ids), dtype=torch.int64))):
+    with torch.no_grad(), lora_batch(LoraBatch.every_row("a", len(ids))):
         got = ours.compute_logits(ours(ids, torch.arange(len(ids)), TorchPagedAttention(cache), meta))
     return float((got - expected).abs().max())
 

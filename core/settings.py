@@ -137,6 +137,9 @@ class Settings(BaseSettings):
         ByteSize(1 << 30), description="KV memory every tier without its own `kv_cache_bytes` draws from"
     )
     max_request_bytes: int = Field(1 << 20, ge=1024, description="larger bodies get HTTP 413")
+    max_adapter_bytes: int = Field(
+        1 << 30, ge=1024, description="the most an adapter upload may be (rank 64 on every projection of a 7B: ~640 MB)"
+    )
     max_n: int = Field(8, ge=1, description="most choices one request may ask for")
     default_max_tokens: int | None = Field(None, ge=1, description="when a request sets none; default: context left")
     auto_fetch: bool = Field(True, description="fetch registry models the tiers need on start")

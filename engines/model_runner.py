@@ -23,7 +23,7 @@ from engines.kernels.metadata import AttentionMetadata
 from engines.kernels.quantize import quantize_int8
 from engines.kv.cache import PagedKVCache
 from engines.layers.linear import Linear
-from engines.layers.lora import LoraBatch, lora_batch, stacked_rows
+from engines.layers.lora import LoraBatch, lora_batch
 from engines.models.llama import HiddenTaps, LlamaForCausalLM
 
 
@@ -132,7 +132,7 @@ class ModelRunner:
             start += n
         if rows == 2 * start:  # `pad_lone`: the one token's copy
             by = {name: [*r, *(x + start for x in r)] for name, r in by.items()}
-        return stacked_rows(by, rows, device)
+        return LoraBatch.of(by, device)
 
     @staticmethod
     def _taps(chunks: list[Chunk], order: list[int]) -> tuple[HiddenTaps | None, dict[int, tuple[int, int]]]:

@@ -2,6 +2,7 @@
 
     http, runtime, accounting    leaves: the HTTP error shape and bodies; tiers and schedules; tenants,
                                  usage rows, the ledger, reports and metrics counters
+    adapters                     the tenants' LoRA adapters: names, files, rows, loading onto engines
     cache, tool_calls            the response caches; tool calls checked, constrained and parsed (→ http)
     routing                      `model: "auto"`, shadow runs, the quality floor (→ http, accounting)
     pipeline                     admission → run → metering, single flight, the cascade (→ all above)
@@ -14,6 +15,7 @@ package and the tests import it (tests/test_layers.py holds both orders).
 
 __all__ = [
     "accounting",
+    "adapters",
     "api",
     "app",
     "cache",

@@ -21,6 +21,8 @@ from engines.protocol import TierEngine
 from gateway.accounting.ledger import Ledger, spool_path
 from gateway.accounting.metrics import Metrics
 from gateway.accounting.tenants import use_key_secret
+from gateway.adapters import AdapterStore
+from gateway.api import adapters as adapters_api
 from gateway.api import admin, embeddings, finance, health, models
 from gateway.api import metrics as metrics_api
 from gateway.api import policies as policy_api
@@ -62,6 +64,7 @@ ROUTERS: tuple[APIRouter, ...] = (
     models.router,
     embeddings.router,
     admin.router,
+    adapters_api.router,
     policy_api.router,
     tuning_api.router,
     finance.router,
@@ -90,7 +93,8 @@ def create_app(
         # hit's CPU); we export Prometheus metrics and JSON logs ourselves.
         telemetry={"tracing": False, "metrics": False, "logs": False},
     )
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
+    larger = {adapters_api.ADAPTERS_UPLOAD_PATH: settings.max_adapter_bytes}
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes, larger=larger)
     app.add_middleware(RequestIdMiddleware)  # added last: outermost, so every log line of a request has its id
     # A random secret signs out every console session on restart; set `console_secret` to keep them.
     config = AppConfig(settings, Metrics(), settings.console_secret or secrets.token_urlsafe(32))
@@ -164,7 +168,8 @@ async def _start(config: AppConfig, engines: Mapping[str, TierEngine] | None, da
     routing = await anyio.to_thread.run_sync(_routing, settings, running, db, ledger, budgets, config.metrics, policies)
     probe = await anyio.to_thread.run_sync(_probe, settings, routing)
     bootstrap = await start_bootstrap(settings, routing)  # no router: one is trained once the server is up
-    pipeline = Pipeline(running, ledger, settings, policies, budgets, cache, config.metrics, routing, probe)
+    adapters = AdapterStore(db, settings.home_dir)
+    pipeline = Pipeline(running, ledger, settings, policies, budgets, cache, config.metrics, routing, probe, adapters)
     started = int(time.time())
     tuning = TuningSchedule(db, policies, proposals, running, settings.home_dir)
     embedder = cache.semantic.embedder if cache.semantic is not None else None  # one MiniLM per process

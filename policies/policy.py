@@ -283,6 +283,7 @@ DEFAULT_PRICES = {
 
 
 ModelName = Annotated[str, Field(min_length=1, max_length=100)]
+AdapterName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")]  # as gateway.adapters registers them
 Problem = tuple[tuple[str | int, ...], str]  # a field's path and what is wrong with it
 
 
@@ -303,6 +304,12 @@ class Policy(_Strict):
         max_length=64,
         description="a model name apps send (`gpt-4o-mini`, a Claude id) → the tier, `auto` or embedding model that "
         "serves it; over the operator's `model_aliases`",
+    )
+    adapters: dict[str, AdapterName] = Field(
+        default_factory=dict,
+        max_length=16,
+        description="tier → this tenant's LoRA adapter that serves it by default: requests naming the tier and those "
+        "routed to it run under the adapter (`tier:NAME` names one explicitly)",
     )
 
     @model_validator(mode="before")
@@ -362,4 +369,7 @@ class Policy(_Strict):
                 problems.append((("aliases", name), f"{target!r} is not served here; one of {', '.join(targets)}"))
             elif name in served:
                 problems.append((("aliases", name), f"{name!r} is a tier's own name: an alias cannot hide it"))
+        for tier in self.adapters:
+            if tier not in served:
+                problems.append((("adapters", tier), f"no tier named {tier!r}; served: {', '.join(served)}"))
         return problems

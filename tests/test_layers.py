@@ -111,9 +111,10 @@ def test_a_planted_module_circle_is_caught(planted: dict[str, str]) -> None:
 # --- the gateway's rooms ------------------------------------------------------------------------------------
 
 # Each may import only those before it: the leaves (HTTP shapes, tiers and schedules, tenants and the ledger),
-# the caches and tool calls, routing, the pipeline, the routes, the console, then `app.py` and the CLI on top.
-GATEWAY_ORDER = ("http", "runtime", "accounting", "cache", "tool_calls", "routing", "pipeline", "api", "console",
-                 "app", "cli")  # fmt: skip
+# the tenants' adapters, the caches and tool calls, routing, the pipeline, the routes, the console, then `app.py`
+# and the CLI on top.
+GATEWAY_ORDER = ("http", "runtime", "accounting", "adapters", "cache", "tool_calls", "routing", "pipeline", "api",
+                 "console", "app", "cli")  # fmt: skip
 ROUTE_USERS = ("api", "app", "cli")  # who may import a route module; the console takes only deps and auth
 NOT_ROUTES = ("gateway.api", "gateway.api.deps", "gateway.api.auth", "gateway.api.params")
 MAX_GATEWAY_TOP_MODULES = 2  # app.py and __init__.py

@@ -240,3 +240,25 @@ class StoredResponse(Base):
     context: Mapped[list] = mapped_column(JSON)  # what a continuation is prepended with
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class Adapter(Base):
+    """A LoRA adapter a tenant may run on one of its tiers (`model: "small:NAME"`, or its policy's default): the
+    PEFT files under `path` (the tenant's own folder in the gateway's home), their digest, and who put it there.
+    Registered by an admin (uploaded) or by `switchboard distill`; a tenant's rows serve that tenant only."""
+
+    __tablename__ = "adapters"
+    __table_args__ = (UniqueConstraint("tenant_id", "tier", "name", name="uq_adapters_tenant_tier_name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    tier: Mapped[str] = mapped_column(String(32))
+    name: Mapped[str] = mapped_column(String(64))
+    digest: Mapped[str] = mapped_column(String(64))  # sha256 of its config and weights (`engines.lora`)
+    path: Mapped[str] = mapped_column(String(500))
+    rank: Mapped[int] = mapped_column(Integer)
+    size_bytes: Mapped[int] = mapped_column(BigInteger)  # the two files on disk
+    source: Mapped[str] = mapped_column(String(16))  # uploaded | distilled
+    details: Mapped[dict] = mapped_column(JSON, default=dict)  # distill: examples, held-out agreement, seconds
+    created_by: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

@@ -1,6 +1,6 @@
 """Our own CPU kernels (`engines/kernels/csrc/`): int4 and int8 weight GEMMs on AVX2 integer dot products
-(`quant_gemm.cpp`, wrapped here) and fused decoder ops (`cpu_ops.cpp`, wrapped in `engines.kernels.cpu_ops`),
-built on first use with the system's C++ compiler and loaded with ctypes.
+(`quant_gemm.cpp`, wrapped here), fused decoder ops (`cpu_ops.cpp`) and LoRA deltas (`lora.cpp`), both wrapped in
+`engines.kernels.cpu_ops`, built on first use with the system's C++ compiler and loaded with ctypes.
 
 Three builds of the same sources, picked once at load from the CPU's flags, the widest first: `amx`
 (the VNNI build plus the int8 GEMM on AMX tiles from 4 activation rows, `csrc/amx_int8.h`),
@@ -40,7 +40,9 @@ from engines.kernels.quantize import QuantizedWeight, unpack_int4
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("quant_gemm.cpp", "cpu_ops.cpp", "decoder.cpp")]
+SOURCES = [
+    Path(__file__).parent / "csrc" / name for name in ("quant_gemm.cpp", "cpu_ops.cpp", "decoder.cpp", "lora.cpp")
+]
 # Included by quant_gemm.cpp: part of the build's digest.
 HEADERS = [Path(__file__).parent / "csrc" / name for name in ("int4_slabs.h", "amx_int8.h", "amx_int4.h")]
 # -ffp-contract=off: no fused multiply-adds but the ones written out, so elementwise ops round as torch's do.
@@ -178,6 +180,8 @@ def build_of(variant: str) -> ctypes.CDLL | None:
         fn.restype = None
     lib.sb_decoder.argtypes = [p, p, p, p]
     lib.sb_decoder.restype = ctypes.c_int
+    lib.sb_lora_add.argtypes = [p, i, i, long, p, i, long, i, p, p, p, p, i, p, p, p, p, p, p, p, p, i]
+    lib.sb_lora_add.restype = None
     return lib
 
 

@@ -10,6 +10,9 @@ a prefill chunk, so outputs stay independent of batching, chunking and prefix-ca
 
 from __future__ import annotations
 
+import ctypes
+from dataclasses import dataclass
+
 import torch
 
 from engines.kernels.cpu_kernels import library
@@ -102,3 +105,76 @@ def paged_attention(
         _bf16(q), window,
     )  # fmt: skip
     return out
+
+
+@dataclass(frozen=True)
+class LoraPlan:
+    """`lora_add`'s arguments that stay fixed for one layer and one set of adapters: per adapter its A (rank × in,
+    fp32) and per part it trains (first output column, first column of t, rank, Bᵀ as rank × columns, fp32)."""
+
+    keep: tuple[torch.Tensor, ...]  # what the pointers point into
+    a: ctypes.Array
+    ranks: ctypes.Array
+    part_group: ctypes.Array
+    part_row: ctypes.Array
+    part_cols: ctypes.Array
+    part_col: ctypes.Array
+    part_rank: ctypes.Array
+    bt: ctypes.Array
+    n_parts: int
+    max_rank: int
+    in_features: int
+
+
+def lora_plan(
+    adapters: list[tuple[torch.Tensor, list[tuple[int, int, int, torch.Tensor]]] | None], in_features: int
+) -> LoraPlan:
+    """One group per adapter, in the step's order; None: this layer holds none of that adapter (rank 0)."""
+    keep: list[torch.Tensor] = []
+    a, ranks, groups, rows, cols, firsts, part_ranks, bts = [], [], [], [], [], [], [], []
+    for g, adapter in enumerate(adapters):
+        if adapter is None:
+            a.append(None), ranks.append(0)
+            continue
+        weights, parts = adapter
+        assert weights.dtype == torch.float32 and weights.is_contiguous() and weights.shape[1] == in_features
+        keep.append(weights)
+        a.append(weights.data_ptr())
+        ranks.append(weights.shape[0])
+        for row, col, rank, bt in parts:
+            assert bt.dtype == torch.float32 and bt.is_contiguous() and bt.shape[0] == rank
+            keep.append(bt)
+            groups.append(g), rows.append(row), cols.append(bt.shape[1]), firsts.append(col), part_ranks.append(rank)
+            bts.append(bt.data_ptr())
+
+    def ints(values: list[int]) -> ctypes.Array:
+        return (ctypes.c_int * max(1, len(values)))(*values)
+
+    def pointers(values: list[int | None]) -> ctypes.Array:
+        return (ctypes.c_void_p * max(1, len(values)))(*values)
+
+    return LoraPlan(tuple(keep), pointers(a), ints(ranks), ints(groups), ints(rows), ints(cols), ints(firsts),
+                    ints(part_ranks), pointers(bts), len(groups), max(1, *ranks), in_features)  # fmt: skip
+
+
+def lora_groups(rows: list[torch.Tensor]) -> tuple[torch.Tensor, ctypes.Array]:
+    """A step's rows by adapter as the kernel takes them: all of them (int32), and where each adapter's start."""
+    starts = [0]
+    for r in rows:
+        starts.append(starts[-1] + r.numel())
+    return torch.cat(rows).to(torch.int32), (ctypes.c_int * len(starts))(*starts)
+
+
+def lora_add(x: torch.Tensor, out: torch.Tensor, plan: LoraPlan, rows: list[torch.Tensor]) -> None:
+    """out[rows[g], part] += (x[rows[g]] · A_gᵀ)[part's columns] · B_partᵀ for every group g of `plan`, in place;
+    each row's bits independent of the other rows (`csrc/lora.cpp`). x, out: CPU bf16 or fp32 rows."""
+    lib = library()
+    assert lib is not None and x.stride(-1) == 1 and out.stride(-1) == 1 and x.shape[1] == plan.in_features
+    flat, starts = lora_groups(rows)
+    t = torch.empty(flat.numel(), plan.max_rank)
+    xf = torch.empty(flat.numel(), x.shape[1])
+    lib.sb_lora_add(
+        x.data_ptr(), _bf16(x), x.shape[1], x.stride(0), out.data_ptr(), _bf16(out), out.stride(0), len(rows),
+        flat.data_ptr(), starts, plan.a, plan.ranks, plan.n_parts, plan.part_group, plan.part_row, plan.part_cols,
+        plan.part_col, plan.part_rank, plan.bt, t.data_ptr(), xf.data_ptr(), plan.max_rank,
+    )  # fmt: skip

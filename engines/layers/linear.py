@@ -28,7 +28,7 @@ from torch import nn
 from engines.kernels import cpu_kernels
 from engines.kernels.backends import backend_for
 from engines.kernels.quantize import QuantizedWeight
-from engines.layers.lora import LoraStacks, active_batch
+from engines.layers.lora import LayerAdapters, active_batch
 
 
 def _can_pack(weight: torch.Tensor) -> bool:
@@ -179,7 +179,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: torch.Tensor | None = None
         self.kernel: Int8Kernel | Int4Kernel | BackendKernel | None = None
-        self.loras = LoraStacks()  # the LoRA adapters that train this layer (`engines.layers.lora`)
+        self.loras = LayerAdapters()  # the LoRA adapters that train this layer (`engines.layers.lora`)
 
     @property
     def format(self) -> str:

@@ -1,19 +1,22 @@
 """LoRA in a mixed batch: each row of a step may belong to an adapter, or to none (the bare base model).
 
 A linear layer computes its base product for every row at once (the weights are read once per step, whatever
-their format: bf16, int8, int4, a device kernel), then adds the step's adapters' low-rank deltas, each to its own
-rows. As S-LoRA and Punica do, the adapters of a step are stacked so the work does not grow with their number in
-operations, only in bytes: one shrink product of every row against every adapter's A (ranks are small: 8 adapters
-of rank 16 on a 896-wide layer are a 128 × 896 matrix), a mask that keeps each row's own adapter's columns, then one
-expand product per part of the layer (q, k, v of a fused q/k/v; gate, up) against the adapters' B side by side. The
-bytes read are the step's adapters' own, once: an adapter's B has no zero blocks for the parts it leaves out.
+their format: bf16, int8, int4, a device kernel), then adds each of the step's adapters' low-rank delta to that
+adapter's rows only, as S-LoRA's and Punica's grouped products do: the adapter's rows gathered, one shrink
+product against its A (rank × in), one expand product per part of the layer it trains (q, k, v of a fused q/k/v;
+gate, up) against that part's B, added into the part's output columns of those rows. No row is multiplied by
+another adapter's weights (or by zeros standing in for them), so the work is the rows' own: 16 rows over 8 rank-16
+adapters cost what 16 rows of one adapter do, in more but smaller products.
 
-The step's grouping (`LoraBatch`: its adapters, each row's index among them, len(names) for the base) is set by
-the model runner around one forward (`lora_batch`) and read by every `Linear` that holds adapters; outside a forward,
-or in a step without adapters, nothing is added. A layer keeps the stack of its last adapter sets (`LoraStacks`),
-rebuilt only when a step's set changes: consecutive decode steps of the same sequences reuse it. A row's delta does
-not depend on what else is in the step (matmuls of two rows or more give each row the same bits; a lone row is
-run twice), so a sequence gets the same tokens in any batch.
+A row's delta depends on nothing else in the step: each product has its adapter's fixed shapes but for the row
+count, and matmuls of two rows or more give each row the same bits whatever their number (a lone row is run twice,
+since one row takes another kernel). So a sequence gets the same tokens in any batch, even in bf16, where a delta
+that differed in its last fp32 bit would round some sums the other way and, a few tokens on, change the greedy
+choice (measured: stacking every adapter's A side by side did exactly that on SmolLM2 in bf16).
+
+The step's grouping (`LoraBatch`: its adapters and each one's flat rows) is set by the model runner around one
+forward (`lora_batch`) and read by every `Linear` that holds adapters; outside a forward, or in a step without
+adapters, nothing is added.
 """
 
 from __future__ import annotations
@@ -22,13 +25,15 @@ import contextlib
 import contextvars
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["LoraBatch", "LoraPart", "LoraStacks", "LoraWeights", "active_batch", "lora_batch", "stacked_rows"]
+from engines.kernels import cpu_kernels, cpu_ops
 
-_KEPT_STACKS = 2  # adapter sets a layer keeps stacked: the steady decode set and one other (a joining prefill)
+__all__ = ["LayerAdapters", "LoraBatch", "LoraPart", "LoraWeights", "active_batch", "lora_batch"]
+
+_KEPT_PLANS = 4  # adapter sets a layer keeps the kernel's arguments for: the steady decode set, a joining prefill
 
 
 @dataclass(frozen=True)
@@ -50,12 +55,22 @@ class LoraWeights:
 
 @dataclass(frozen=True)
 class LoraBatch:
-    """The adapters a step runs (`names`) and each flat row's index among them (`slots`; len(names): the bare base),
-    and the row masks its layers computed (the same for every layer with the same adapters and ranks)."""
+    """The adapters a step runs (`names`) and each one's flat rows (`rows[i]`: int64 indices; other rows are the
+    bare base's)."""
 
     names: tuple[str, ...]
-    slots: torch.Tensor  # (rows,) int64
-    masks: dict[tuple, torch.Tensor] = field(default_factory=dict)
+    rows: tuple[torch.Tensor, ...]
+
+    @classmethod
+    def of(cls, rows: Mapping[str, list[int]], device: torch.device | str = "cpu") -> LoraBatch:
+        """The batch whose adapters own these flat rows, adapters in name order."""
+        names = tuple(sorted(rows))
+        return cls(names, tuple(torch.tensor(rows[n], dtype=torch.int64, device=device) for n in names))
+
+    @classmethod
+    def every_row(cls, name: str, count: int, device: torch.device | str = "cpu") -> LoraBatch:
+        """All `count` rows under adapter `name`."""
+        return cls((name,), (torch.arange(count, device=device),))
 
 
 _active: contextvars.ContextVar[LoraBatch | None] = contextvars.ContextVar("lora_batch", default=None)
@@ -76,23 +91,53 @@ def lora_batch(batch: LoraBatch | None) -> Iterator[None]:
 
 
 @dataclass(frozen=True)
-class _Stack:
-    """A set of adapters on one layer, side by side: A (Σ ranks, in), which adapter (index into `names`) each of
-    its rows belongs to, and per distinct part (output rows) the column range of t = x·Aᵀ it reads and the Bs."""
+class _Served:
+    """One adapter on one layer as the deltas compute it. On a CPU with our kernels (`native`): A (rank × in) and
+    per part (first output row, first column of t = x·Aᵀ, rank, Bᵀ as rank × rows), in fp32, for
+    `engines.kernels.cpu_ops.lora_add`; elsewhere A and the parts' B as `_pack` leaves them for `_product`."""
 
-    names: tuple[str, ...]
     a: torch.Tensor
-    owner: torch.Tensor  # (Σ ranks,) int64
-    parts: tuple[tuple[int, int, int, torch.Tensor], ...]  # (first output row, first column, columns, B)
-    signature: tuple[int, ...]  # `owner` as a key: layers with equal ones share the step's row mask
+    parts: tuple[tuple[int, int, int, torch.Tensor], ...]
+    dtype: torch.dtype
+    native: bool
 
 
-class LoraStacks:
-    """A layer's adapters (name → `LoraWeights`) and the stacks of its recent adapter sets."""
+def _on_cpu_packed() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def _pack(w: torch.Tensor) -> torch.Tensor:
+    """`w` (out, in) as `_product` reads it: oneDNN's blocked layout on a CPU that has it, else `w` itself.
+
+    The fallback where our kernels are off. Why oneDNN, in fp32: the plain fp32 matmul (MKL's sgemm) of a shrink
+    (rows × 576 against 16 × 576 on SmolLM2) gives a row other bits once there are 16 rows or more (measured on
+    Xeon and Zen 5), which made a sequence's bf16 tokens depend on how many others shared its adapter; oneDNN's
+    inner product gave every row the same bits for 1-64 rows, and bf16 matmuls of these shapes took a slow path
+    (1.2 ms a call inside a step on Zen 5)."""
+    if w.device.type == "cpu" and _on_cpu_packed():
+        return torch.ops.mkldnn._reorder_linear_weight(w.contiguous())
+    return w.contiguous()
+
+
+def _product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x · wᵀ for a weight from `_pack`."""
+    if x.device.type == "cpu" and _on_cpu_packed():
+        return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    return x @ w.T
+
+
+def _native(device: torch.device) -> bool:
+    return device.type == "cpu" and cpu_kernels.library() is not None
+
+
+class LayerAdapters:
+    """A layer's adapters by name (`weights`, as loaded), their delta-ready copies, and the kernel's fixed
+    arguments for the adapter sets of recent steps."""
 
     def __init__(self) -> None:
         self.weights: dict[str, LoraWeights] = {}
-        self._stacks: OrderedDict[tuple[str, ...], _Stack] = OrderedDict()
+        self._served: dict[str, _Served] = {}
+        self._plans: OrderedDict[tuple[str, ...], cpu_ops.LoraPlan] = OrderedDict()
 
     def __bool__(self) -> bool:
         return bool(self.weights)
@@ -102,71 +147,55 @@ class LoraStacks:
 
     def set(self, name: str, weights: LoraWeights) -> None:
         self.weights[name] = weights
-        self._stacks.clear()
+        cpu, native = weights.a.device.type == "cpu", _native(weights.a.device)
+        dtype = torch.float32 if cpu else weights.a.dtype
+        parts, col = [], 0
+        for part in weights.parts:
+            rank = part.b.shape[1]
+            b = part.b.to(dtype)
+            parts.append((part.row, col, rank, b.T.contiguous() if native else _pack(b)))
+            col += rank
+        a = weights.a.to(dtype).contiguous() if native else _pack(weights.a.to(dtype))
+        self._served[name] = _Served(a, tuple(parts), dtype, native)
+        self._plans.clear()
 
     def drop(self, name: str) -> None:
-        if self.weights.pop(name, None) is not None:
-            self._stacks.clear()
+        self.weights.pop(name, None)
+        self._served.pop(name, None)
+        self._plans.clear()
 
     def add(self, x: torch.Tensor, out: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
         """`out` (the base product of `x`) with each row's adapter's delta added, where this layer holds it."""
-        here = tuple(n for n in batch.names if n in self.weights)
+        here = [(name, rows) for name, rows in zip(batch.names, batch.rows, strict=True)
+                if name in self._served and rows.numel()]  # fmt: skip
         if not here:
             return out
-        stack = self._stack(here)
-        mask = batch.masks.get((here, stack.signature))
-        if mask is None:  # once per step for every layer whose adapters and ranks are these
-            local = torch.tensor([here.index(n) if n in here else -1 for n in batch.names] + [-1], device=x.device)
-            rows = local[batch.slots]  # each row's index in this stack (-1 via the last entry: the base's rows)
-            mask = batch.masks[(here, stack.signature)] = (rows[:, None] == stack.owner[None, :]).to(stack.a.dtype)
-        lone = x.shape[0] == 1  # one row takes another matmul kernel than two or more: run it twice, keep one
-        xs, mask = (x.expand(2, -1), mask.expand(2, -1)) if lone else (x, mask)
-        t = (xs.to(stack.a.dtype) @ stack.a.T) * mask  # each row keeps its own adapter's columns
-        delta = torch.zeros(t.shape[0], out.shape[1], dtype=t.dtype, device=t.device)
-        for row, col, cols, b in stack.parts:
-            delta[:, row : row + b.shape[0]] = t[:, col : col + cols] @ b.T
-        return out + (delta[:1] if lone else delta).to(out.dtype)
+        if self.native_for(batch) and x.dtype in (torch.bfloat16, torch.float32) and out.dtype == x.dtype:
+            x, out = x.contiguous(), out.contiguous()
+            cpu_ops.lora_add(x, out, self.plan(batch.names, x.shape[1]), list(batch.rows))
+            return out
+        for name, rows in here:
+            served = self._served[name]
+            lone = rows.numel() == 1  # one row takes another matmul kernel than two or more: run it twice, keep one
+            picked = rows.expand(2) if lone else rows
+            t = _product(x.index_select(0, picked).to(served.dtype), served.a)
+            for row, col, rank, b in served.parts:
+                delta = _product(t[:, col : col + rank].contiguous(), b)
+                part = out[:, row : row + b.shape[0]]
+                part.index_add_(0, rows, (delta[:1] if lone else delta).to(out.dtype))
+        return out
 
-    def _stack(self, names: tuple[str, ...]) -> _Stack:
-        stack = self._stacks.get(names)
-        if stack is None:
-            stack = self._stacks[names] = self._build(names)
-            while len(self._stacks) > _KEPT_STACKS:
-                self._stacks.popitem(last=False)
-        self._stacks.move_to_end(names)
-        return stack
+    def native_for(self, batch: LoraBatch) -> bool:
+        """Whether our kernel computes this layer's deltas for `batch` (every adapter it holds served for it)."""
+        return all(self._served[n].native for n in batch.names if n in self._served)
 
-    def _build(self, names: tuple[str, ...]) -> _Stack:
-        """Columns grouped by part (every adapter's rank of a part side by side), so each expand reads one slice."""
-        by_part: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
-        for i, name in enumerate(names):
-            w, col = self.weights[name], 0
-            for part in w.parts:
-                rank = part.b.shape[1]
-                by_part.setdefault(part.row, []).append((i, w.a[col : col + rank], part.b))
-                col += rank
-        a_rows, owners, parts, col = [], [], [], 0
-        for row in sorted(by_part):
-            pieces = by_part[row]
-            width = sum(piece[1].shape[0] for piece in pieces)
-            parts.append((row, col, width, torch.cat([b for _, _, b in pieces], dim=1).contiguous()))
-            for i, a, _ in pieces:
-                a_rows.append(a)
-                owners += [i] * a.shape[0]
-            col += width
-        # On a CPU the deltas run in fp32: torch's unpacked bf16 matmuls of these shapes took a slow path (1.2 ms a
-        # call inside a step on Zen 5; fp32's 16 × 128 × 4864 expand ~0.25 ms standalone); the stack's bytes double
-        # (8 rank-16 adapters of the 0.5B: 141 MB in bf16 against its 494 MB of int8 weights).
-        dtype = torch.float32 if a_rows[0].device.type == "cpu" else a_rows[0].dtype
-        a = torch.cat(a_rows).to(dtype).contiguous()
-        parts = [(row, c, w, b.to(dtype)) for row, c, w, b in parts]
-        return _Stack(names, a, torch.tensor(owners, device=a.device), tuple(parts), tuple(owners))
-
-
-def stacked_rows(names: Mapping[str, list[int]], total: int, device: torch.device) -> LoraBatch:
-    """The batch of a step whose adapters own these flat rows (the rest are the base's)."""
-    order = tuple(sorted(names))
-    slots = torch.full((total,), len(order), dtype=torch.int64)  # len(order): the base, read as -1 by `local`
-    for i, name in enumerate(order):
-        slots[names[name]] = i
-    return LoraBatch(order, slots.to(device))
+    def plan(self, names: tuple[str, ...], in_features: int) -> cpu_ops.LoraPlan:
+        """The kernel's fixed arguments for a step whose adapters are `names` (those this layer lacks: rank 0)."""
+        plan = self._plans.get(names)
+        if plan is None:
+            entries = [(self._served[n].a, list(self._served[n].parts)) if n in self._served else None for n in names]
+            plan = self._plans[names] = cpu_ops.lora_plan(entries, in_features)
+            while len(self._plans) > _KEPT_PLANS:
+                self._plans.popitem(last=False)
+        self._plans.move_to_end(names)
+        return plan

@@ -10,13 +10,25 @@ from typing import TYPE_CHECKING
 from engines import lazy_exports
 
 if TYPE_CHECKING:
-    from engines.lora.adapter import AdapterError, LoraAdapter, load_adapter
+    from engines.lora.adapter import CONFIG, WEIGHTS, AdapterError, LoraAdapter, check_adapter, load_adapter
     from engines.lora.registry import DEFAULT_CAPACITY, Adapters
 
-__all__ = ["DEFAULT_CAPACITY", "AdapterError", "Adapters", "LoraAdapter", "load_adapter"]
+__all__ = [
+    "CONFIG",
+    "DEFAULT_CAPACITY",
+    "WEIGHTS",
+    "AdapterError",
+    "Adapters",
+    "LoraAdapter",
+    "check_adapter",
+    "load_adapter",
+]
 
 _EXPORTS = {
+    "CONFIG": "adapter",
+    "WEIGHTS": "adapter",
     "AdapterError": "adapter",
+    "check_adapter": "adapter",
     "LoraAdapter": "adapter",
     "load_adapter": "adapter",
     "DEFAULT_CAPACITY": "registry",

@@ -26,9 +26,10 @@ import torch
 from engines.checkpoints.loader import fused_name
 from engines.layers.linear import Linear
 from engines.layers.lora import LoraPart, LoraWeights
+from engines.models import ModelConfig, build_model
 from engines.models.llama import LlamaForCausalLM
 
-__all__ = ["AdapterError", "LoraAdapter", "load_adapter"]
+__all__ = ["CONFIG", "WEIGHTS", "AdapterError", "LoraAdapter", "check_adapter", "load_adapter"]
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 # base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight → layer 3, self_attn, q_proj, A
@@ -67,6 +68,8 @@ def load_adapter(path: str | Path, model: LlamaForCausalLM) -> LoraAdapter:
         m = _KEY.match(key)
         if m is None or m[3] not in _TARGETS[m[2]]:
             raise AdapterError(f"{WEIGHTS}: {key} is not a LoRA pair on an attention or MLP projection")
+        if not tensor.is_floating_point() or not bool(torch.isfinite(tensor).all()):
+            raise AdapterError(f"{WEIGHTS}: {key} is not finite floating-point numbers")
         found.setdefault((int(m[1]), m[2], m[3]), {})[m[4]] = tensor
     if not found:
         raise AdapterError(f"{WEIGHTS} holds no LoRA weights")
@@ -85,6 +88,15 @@ def load_adapter(path: str | Path, model: LlamaForCausalLM) -> LoraAdapter:
     digest = hashlib.sha256((path / CONFIG).read_bytes() + (path / WEIGHTS).read_bytes()).hexdigest()
     rank = max(part.b.shape[1] for p in pairs.values() for part in p.parts)
     return LoraAdapter(path, digest, rank, pairs)
+
+
+def check_adapter(path: str | Path, model_dir: str | Path) -> LoraAdapter:
+    """`load_adapter` against the model at `model_dir` without reading its weights: the model is built from its
+    config on the meta device, so every check runs (shapes included) and the adapter's tensors keep no storage.
+    What registers an adapter where no engine of that model is loaded (the CLI)."""
+    with torch.device("meta"):
+        model = build_model(ModelConfig.from_dir(Path(model_dir)))
+    return load_adapter(path, model)  # type: ignore[arg-type]
 
 
 def _config(path: Path) -> dict:

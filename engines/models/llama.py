@@ -116,10 +116,11 @@ class LlamaForCausalLM(nn.Module):
             hidden = hidden * torch.tensor(self.config.embed_scale, dtype=hidden.dtype)
         rope = self.rope(positions)
         local = None if self.local_rope is None else self.local_rope(positions)
-        # (a step with LoRA adapters goes layer by layer: the library's call has no place for their deltas)
-        native = self._native_decoder(backend) if taps is None and active_batch() is None else None
-        if native is not None:  # every layer in one library call: the same numbers, no per-layer Python
-            hidden, residual = native.forward(hidden, rope, meta)
+        # A step's LoRA deltas run inside the library's call where our kernel serves them (else layer by layer).
+        lora = active_batch()
+        native = self._native_decoder(backend) if taps is None else None
+        if native is not None and native.supports(lora):  # every layer in one call: the same numbers, no Python
+            hidden, residual = native.forward(hidden, rope, meta, lora)
             return self.norm.add_norm(hidden, residual)[0]
         residual = None
         if taps is not None and 0 in taps.rows:

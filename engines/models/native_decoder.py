@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engines.kernels import cpu_kernels
+from engines.kernels import cpu_kernels, cpu_ops
 from engines.kernels.cpu_attention import NativePagedAttention
 from engines.layers.blocks import SwiGLU
 from engines.layers.linear import Int4Kernel, Int8Kernel, Linear
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from engines.kernels.metadata import AttentionBackend, AttentionMetadata
+    from engines.layers.lora import LoraBatch
 
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int32, ctypes.c_float
 
@@ -52,11 +53,26 @@ class _Model(ctypes.Structure):
     ]  # fmt: skip
 
 
+class _LoraLinear(ctypes.Structure):
+    _fields_ = [
+        ("a", _p), ("ranks", _p), ("n_parts", _i), ("max_rank", _i), ("part_group", _p), ("part_row", _p),
+        ("part_cols", _p), ("part_col", _p), ("part_rank", _p), ("bt", _p),
+    ]  # fmt: skip
+
+
 class _Step(ctypes.Structure):
     _fields_ = [
         ("rows", _i), ("slots", _p), ("cos", _p), ("sin", _p), ("tables", _p), ("row_table", _p), ("row_len", _p),
         ("normed", _p), ("out_a", _p), ("out_b", _p), ("qkv", _p), ("attn", _p), ("gate_up", _p), ("act", _p),
+        ("lora", _p), ("n_groups", _i), ("group_rows", _p), ("group_start", _p), ("lora_t", _p), ("lora_xf", _p),
     ]  # fmt: skip
+
+
+def _lora_linear(p: cpu_ops.LoraPlan) -> _LoraLinear:
+    """A linear layer's `LoraPlan` as decoder.cpp's `LoraLinear`."""
+    a, ranks = (ctypes.cast(x, _p) for x in (p.a, p.ranks))
+    parts = (ctypes.cast(x, _p) for x in (p.part_group, p.part_row, p.part_cols, p.part_col, p.part_rank, p.bt))
+    return _LoraLinear(a, ranks, p.n_parts, p.max_rank, *parts)
 
 
 def enabled() -> bool:
@@ -99,6 +115,13 @@ class NativeDecoder:
             self.keep += norms
             layers.append(_Layer(*parts, *(t.data_ptr() for t in norms), k_cache.data_ptr(), v_cache.data_ptr()))
         self.layers = (_Layer * len(layers))(*layers)
+        # Each layer's qkv, o, gate_up, down, in the library's order: whose adapters a step's deltas read.
+        self.linears = [
+            lin
+            for layer in model.layers
+            for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        ]
+        self._lora_args: dict[tuple[str, ...], tuple] = {}
         k0 = cache_layers[0][0]
         self.model = _Model(
             cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size,
@@ -128,11 +151,33 @@ class NativeDecoder:
                     return None
         return cls(model, [cache.layer(i) for i in range(cfg.num_hidden_layers)])
 
+    def supports(self, batch: LoraBatch | None) -> bool:
+        """Whether this step's adapters (if any) run inside the call: each layer's deltas on our kernel."""
+        return batch is None or all(lin.loras.native_for(batch) for lin in self.linears)
+
+    def _lora(self, batch: LoraBatch) -> tuple[ctypes.Array, int]:
+        """Every linear layer's kernel arguments for the step's adapters (kept per adapter set), and the
+        largest rank of any (the scratch's row width)."""
+        found = self._lora_args.get(batch.names)
+        if found is None:
+            plans = [lin.loras.plan(batch.names, lin.in_features) for lin in self.linears]
+            args = [_lora_linear(p) for p in plans]
+            found = ((_LoraLinear * len(args))(*args), max(p.max_rank for p in plans), plans)
+            if len(self._lora_args) >= 4:  # the steady decode set and a joining prefill's, mostly
+                self._lora_args.pop(next(iter(self._lora_args)))
+            self._lora_args[batch.names] = found  # with its plans: alive while their pointers are in use
+        return found[0], found[1]
+
     def forward(
-        self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+        self,
+        hidden: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        lora: LoraBatch | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the last layer's MLP output, the residual stream): what the Python layers leave for the final
-        norm. `hidden` (rows, hidden) bf16, the embeddings: it becomes the residual stream in place."""
+        norm. `hidden` (rows, hidden) bf16, the embeddings: it becomes the residual stream in place. `lora`:
+        the step's adapters, each row's delta added after each linear layer as `Linear.forward` adds it."""
         lib = cpu_kernels.library()
         assert lib is not None
         m = self.model
@@ -152,5 +197,12 @@ class NativeDecoder:
             rows, slots.data_ptr(), cos.data_ptr(), sin.data_ptr(), r.tables.data_ptr(), r.row_table.data_ptr(),
             r.row_len.data_ptr(), *(t.data_ptr() for t in work),
         )  # fmt: skip
+        if lora is not None and lora.names:
+            args, max_rank = self._lora(lora)
+            flat, starts = cpu_ops.lora_groups(list(lora.rows))
+            scratch = (torch.empty(flat.numel(), max_rank), torch.empty(flat.numel(), max(m.hidden, m.inter)))
+            step.lora, step.n_groups = ctypes.cast(args, _p), len(lora.names)
+            step.group_rows, step.group_start = flat.data_ptr(), ctypes.cast(starts, _p)
+            step.lora_t, step.lora_xf = scratch[0].data_ptr(), scratch[1].data_ptr()
         last = lib.sb_decoder(ctypes.byref(m), self.layers, ctypes.byref(step), hidden.data_ptr())
         return out[last], hidden

@@ -1,9 +1,11 @@
 """`GET /v1/models` and `GET /v1/models/{model}`: the tiers this tenant's policy allows, `auto` (the router picks)
-where a router is loaded, and the aliases (the tenant's and the operator's) whose target the key may call. The
+where a router is loaded, the aliases (the tenant's and the operator's) whose target the key may call, and the
+tenant's own adapters on allowed tiers (`small:NAME`). The
 same list answers Anthropic's clients (a key as `x-api-key` too; each card carries both APIs' fields)."""
 
 from __future__ import annotations
 
+import anyio
 from fastapi import APIRouter
 
 from gateway.accounting.tenants import Principal
@@ -41,4 +43,7 @@ async def _callable(principal: Principal, pipeline: Pipeline) -> list[str]:
         names.append(AUTO)
     targets = {*names, *([EMBEDDING_TIER] if policy.allows(EMBEDDING_TIER) else [])}
     names += [alias for alias, target in aliases(policy, pipeline.settings.model_aliases).items() if target in targets]
+    if (store := pipeline.adapters.store) is not None:  # the tenant's adapters, `<tier>:<name>`, on allowed tiers
+        own = await anyio.to_thread.run_sync(store.list, principal.tenant_id)
+        names += [a.model for a in own if a.tier in pipeline.engines and policy.allows(a.tier)]
     return names

@@ -20,6 +20,7 @@ from gateway.api.auth import AdminPrincipal, PolicyReader, visible_tenant
 from gateway.api.deps import DatabaseDep, PipelineDep, PolicyStoreDep
 from gateway.api.params import TenantName
 from gateway.http.errors import APIError, documented
+from gateway.pipeline.policy_check import invalid_policy
 from policies.dry_run import replay
 from policies.policy import Policy
 from policies.store import PolicyError
@@ -90,6 +91,8 @@ async def update(
     t = await anyio.to_thread.run_sync(visible_tenant, db, principal, tenant)
     note = _note(body.pop("note", "")) if isinstance(body, dict) else ""
     policy = pipeline.served_policy(body)
+    if problems := await pipeline.adapters.missing(t.id, policy):
+        raise invalid_policy(problems)
     try:
         version = await anyio.to_thread.run_sync(lambda: store.save(t.id, policy, principal.actor, note))
     except IntegrityError:

@@ -29,6 +29,7 @@ from gateway.console.render import AdminTenant, changes, page, redirect, router,
 from gateway.console.session import AdminUser, Posted, small_int
 from gateway.http.errors import APIError
 from gateway.pipeline import Pipeline
+from gateway.pipeline.policy_check import invalid_policy
 from policies.proposals import ProposalError, ProposalStore
 from policies.store import PolicyError, PolicyStore
 
@@ -150,6 +151,8 @@ async def save_policy(
         return await _policy_page(request, store, pipeline, t, text, 422, errors=problems)
     try:
         validated = pipeline.served_policy(body)
+        if problems := await pipeline.adapters.missing(t.id, validated):
+            raise invalid_policy(problems)
     except APIError as exc:
         errors = exc.details or [{"param": exc.param, "message": exc.message}]
         return await _policy_page(request, store, pipeline, t, text, exc.status, errors=errors, note=note)

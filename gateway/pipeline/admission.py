@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import replace
 from decimal import Decimal
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import anyio
 
@@ -26,13 +26,14 @@ from engines.protocol import RequestRejected, TierEngine
 from engines.remote.engine import RemoteEngine
 from engines.request import EngineRequest
 from engines.sampling import SamplingParams
-from engines.tokenizer import ChatTemplateError
 from gateway.accounting.metrics import Metrics
 from gateway.accounting.tenants import Principal
+from gateway.adapters import AdapterRecord, AdapterStore
 from gateway.cache.stage import BYPASS, CacheDecision, CacheStage, cache_mode
 from gateway.http.errors import from_budget, invalid
 from gateway.http.schemas import UNSUPPORTED_CHAT, UNSUPPORTED_COMPLETION, ChatCompletionRequest, CompletionRequest
 from gateway.pipeline import cascade
+from gateway.pipeline.adapter_choice import AdapterChoice, cache_tier, ledger_model
 from gateway.pipeline.aliases import resolve
 from gateway.pipeline.choices import Candidate
 from gateway.pipeline.plan import Caller, Checks, Plan, Work
@@ -41,8 +42,8 @@ from gateway.pipeline.prompts import (
     Body,
     Prepared,
     answer_params,
-    chat_input,
     chat_messages,
+    chat_prompt,
     completion_prompts,
     grammar,
     prompt_conversations,
@@ -56,11 +57,10 @@ from gateway.pipeline.single_flight import Flights, Seat, join
 from gateway.pipeline.wires import CHAT, Wire
 from gateway.routing.stage import Lock, RoutingStage
 from gateway.routing.tier_lock import continues, opening_key
-from gateway.tool_calls import ToolRequest, routing_turns, template_messages, tool_request
+from gateway.tool_calls import routing_turns, tool_request
 from policies.budgets import BudgetError, Budgets, Reservation
 from policies.policy import Policy
 from policies.pricing import worst_case
-from policies.sampling import instructed
 from policies.store import PolicyStore, Versioned
 from verifiers.hook import VerifierHook
 from verifiers.policy import build_verifiers
@@ -83,6 +83,7 @@ class Admission:
         metrics: Metrics | None = None,
         routing: RoutingStage | None = None,
         probe: AnswerProbe | None = None,
+        adapters: AdapterStore | None = None,
     ) -> None:
         self.engines = dict(engines)
         self.settings = settings
@@ -93,6 +94,7 @@ class Admission:
         self.routing = routing or RoutingStage(None, self.engines)
         self.probe = probe  # the trained answer probe, for policies with the `probe` check
         self.flights = Flights()  # this process's requests whose answers others may wait for
+        self.adapters = AdapterChoice(adapters, self.engines)  # `model: "small:NAME"`, a policy's default adapter
 
     async def policy(self, principal: Principal) -> Versioned:
         if (hit := self.policies.cached(principal.tenant_id)) is not None:
@@ -107,7 +109,9 @@ class Admission:
             raise model_not_allowed(model, [t for t in self.engines if policy.allows(t)])
         return engine
 
-    def candidates(self, model: str, policy: Policy, requests: list[EngineRequest]) -> list[Candidate]:
+    def candidates(
+        self, model: str, policy: Policy, requests: list[EngineRequest], adapter: AdapterRecord | None = None
+    ) -> list[Candidate]:
         """The live tiers that may serve, in order: `model`, then its fallback chain (tiers the policy allows
         and whose context takes these requests)."""
         out: list[Candidate] = []
@@ -117,7 +121,7 @@ class Admission:
             seen.add(name)
             engine, tier = self.engines.get(name), self.settings.tiers.get(name)
             if engine is not None and engine.alive and (name == model or _fits(engine, requests, policy, name)):
-                out.append(Candidate(name, engine, self._checkpoint(name)))
+                out.append(Candidate(name, engine, self._checkpoint(name, adapter)))
             name = tier.fallback if tier else None
         return out
 
@@ -145,7 +149,8 @@ class Admission:
         conversation (a previous response), so it stays on that conversation's tier like a tool loop's turn."""
         policy = await self.policy(principal)
         asked, body = body.model, self.aliased(body, policy.policy)
-        routed = escalated_from is None and self.routing.wants(body.model, policy.policy)
+        body, named = await self.adapters.named(principal, body)
+        routed = escalated_from is None and named is None and self.routing.wants(body.model, policy.policy)
         if not routed:
             self.engine(body.model, policy.policy)  # an unknown or forbidden tier is refused before anything else
         reject_unsupported(body, UNSUPPORTED_CHAT)
@@ -158,8 +163,10 @@ class Admission:
         if routed:
             lock = tier_lock(principal, body, continued)
             route = await self.routing.route(principal, policy.policy, [messages], self.salt(principal), lock)
-        engine = self.engine(route.tier if route else body.model, policy.policy)
-        shown, prompt = await _chat_prompt(engine, body, policy.policy, tools, wire)
+        tier = route.tier if route else body.model
+        engine = self.engine(tier, policy.policy)
+        adapter = named or await self.adapters.default(principal, policy.policy, tier)
+        shown, prompt = await chat_prompt(engine, body, policy.policy, tools, wire)
         max_tokens = body.max_completion_tokens or body.max_tokens
         if tools is None:
             constraint, calls = await grammar(engine, body.response_format), None
@@ -177,6 +184,7 @@ class Admission:
             route=route,
             grammar=constraint,
             calls=calls,
+            adapter=adapter,
         )
         return await self._plan(principal, policy, body, prepared, cache_header, escalated_from)
 
@@ -185,10 +193,11 @@ class Admission:
         cheapest), as admission tokenizes it: the tier's chat template, the tools, the policy's instruction."""
         policy = (await self.policy(principal)).policy
         model = resolve(policy, self.settings.model_aliases, body.model)
+        model = (await self.adapters.named(principal, body.model_copy(update={"model": model})))[0].model
         if self.routing.wants(model, policy):
             model = next((t for t in self.engines if policy.allows(t)), model)
         engine = self.engine(model, policy)
-        return len((await _chat_prompt(engine, body, policy, tool_request(body), wire))[1])
+        return len((await chat_prompt(engine, body, policy, tool_request(body), wire))[1])
 
     async def admit_completion(
         self,
@@ -200,7 +209,8 @@ class Admission:
         """A completion request's plan: one prompt or several (text or token ids), each run n times."""
         policy = await self.policy(principal)
         asked, body = body.model, self.aliased(body, policy.policy)
-        routed = escalated_from is None and self.routing.wants(body.model, policy.policy)
+        body, named = await self.adapters.named(principal, body)
+        routed = escalated_from is None and named is None and self.routing.wants(body.model, policy.policy)
         if not routed:
             self.engine(body.model, policy.policy)
         reject_unsupported(body, UNSUPPORTED_COMPLETION)
@@ -208,7 +218,9 @@ class Admission:
         route = (
             await self.routing.route(principal, policy.policy, conversations, self.salt(principal)) if routed else None
         )
-        engine = self.engine(route.tier if route else body.model, policy.policy)
+        tier = route.tier if route else body.model
+        engine = self.engine(tier, policy.policy)
+        adapter = named or await self.adapters.default(principal, policy.policy, tier)
         size = len(body.prompt) if isinstance(body.prompt, str) else INLINE_TOKENIZE_CHARS  # lists: off the loop
         prompts = await tokenize(size, completion_prompts, body.prompt, engine.tokenizer)
         prepared = Prepared(
@@ -221,6 +233,7 @@ class Admission:
             conversation=body.prompt,
             conversations=conversations,
             route=route,
+            adapter=adapter,
         )
         return await self._plan(principal, policy, body, prepared, cache_header, escalated_from)
 
@@ -240,9 +253,10 @@ class Admission:
         if body.n * len(p.prompts) > self.settings.max_n:
             raise invalid(f"at most {self.settings.max_n} choices per request (n × prompts)", param="n")
         request_id = f"{p.id_prefix}-{uuid.uuid4().hex}"
-        requests, asked, hooks = self._engine_requests(request_id, principal, policy.policy, body, p)
-        candidates = self.candidates(tier, policy.policy, requests)
-        if p.grammar is not None:  # compiled for this engine's vocabulary: no other tier can take it
+        adapter = await self.adapters.load(p.engine, p.adapter) if p.adapter is not None else None
+        requests, asked, hooks = self._engine_requests(request_id, principal, policy.policy, body, p, adapter)
+        candidates = self.candidates(tier, policy.policy, requests, p.adapter)
+        if p.grammar is not None or p.adapter is not None:  # compiled for this engine's vocabulary; its adapter
             candidates = [c for c in candidates if c.engine is p.engine]
         if requests[0].params.logprobs is not None:  # a remote's server does not hand back token ids
             if isinstance(p.engine, RemoteEngine):
@@ -268,12 +282,15 @@ class Admission:
                 seat.lead.release()
             raise
         # a cached answer is the requested tier's, even while it is down
-        serving = candidates[0] if cache.answer is None else Candidate(tier, p.engine, self._checkpoint(tier))
+        hit = Candidate(tier, p.engine, self._checkpoint(tier, p.adapter))
+        serving = candidates[0] if cache.answer is None else hit
         target = cascade.target(
             policy.policy, tier, hooks, self.engines, stream=body.stream, escalated_from=escalated_from
         )
         return Plan(
-            caller=Caller(request_id, p.endpoint, p.asked or body.model, principal, policy, int(time.time())),
+            caller=Caller(
+                request_id, p.endpoint, p.asked or body.model, principal, policy, int(time.time()), body.model
+            ),
             work=work,
             checks=Checks(tuple(hooks), target, escalated_from),
             cache=cache,
@@ -287,7 +304,7 @@ class Admission:
         )
 
     def _engine_requests(
-        self, request_id: str, principal: Principal, policy: Policy, body: Body, p: Prepared
+        self, request_id: str, principal: Principal, policy: Policy, body: Body, p: Prepared, adapter: str | None
     ) -> tuple[list[EngineRequest], list[int], list[VerifierHook]]:
         """One engine request per choice (n per prompt), the max tokens each asked for, and the verifier hooks."""
         salt = self.salt(principal)
@@ -307,7 +324,9 @@ class Admission:
                 hooks.append(hook)
             for j, rid in enumerate(ids):
                 seeded = params if params.seed is None else replace(params, seed=params.seed + j)
-                requests.append(EngineRequest(rid, prompt, seeded, cache_salt=salt, grammar=p.grammar, hook=hook))
+                requests.append(
+                    EngineRequest(rid, prompt, seeded, cache_salt=salt, grammar=p.grammar, hook=hook, adapter=adapter)
+                )
                 asked.append(wanted)
         return requests, asked, hooks
 
@@ -328,7 +347,13 @@ class Admission:
             return Seat(BYPASS)
         mode = cache_mode(body.model_extra, cache_header)
         decision = await self.cache.lookup(
-            principal.tenant_id, policy.cache, mode, p.endpoint, tier, p.conversation, answer_params(body, params)
+            principal.tenant_id,
+            policy.cache,
+            mode,
+            p.endpoint,
+            cache_tier(tier, p.adapter),
+            p.conversation,
+            answer_params(body, params),
         )
         tenant = principal.tenant_id
         return await join(self.flights, self.cache.semantic, tenant, request_id, decision, stream=body.stream)
@@ -349,9 +374,9 @@ class Admission:
         except BudgetError as exc:
             raise from_budget(exc) from exc
 
-    def _checkpoint(self, name: str) -> str:
+    def _checkpoint(self, name: str, adapter: AdapterRecord | None = None) -> str:
         tier = self.settings.tiers.get(name)
-        return tier.model if tier else name
+        return ledger_model(tier.model if tier else name, adapter)
 
 
 def _fits(engine: TierEngine, requests: list[EngineRequest], policy: Policy, name: str) -> bool:
@@ -364,20 +389,6 @@ def _fits(engine: TierEngine, requests: list[EngineRequest], policy: Policy, nam
     except RequestRejected:
         return False
     return True
-
-
-async def _chat_prompt(
-    engine: TierEngine, body: ChatCompletionRequest, policy: Policy, tools: ToolRequest | None, wire: Wire
-) -> tuple[list[dict[str, Any]], list[int]]:
-    """The conversation as the model sees it, and its token ids. The model (and the cache key) see the policy's
-    instruction; routing and stored prompts see the client's."""
-    shown = instructed(template_messages(body), policy.sampling.system_instruction)
-    turns, offered = chat_input(engine.tokenizer, shown, tools)
-    chars = sum(len(m["content"]) for m in turns) + (len(str(offered)) if offered else 0)
-    try:
-        return shown, await tokenize(chars, engine.tokenizer.encode_chat, turns, offered)
-    except ChatTemplateError as exc:
-        raise invalid(str(exc), param=wire.prompt_field) from None
 
 
 def tier_lock(principal: Principal, body: ChatCompletionRequest, continued: bool = False) -> Lock:

@@ -35,6 +35,7 @@ class Caller:
     principal: Principal
     policy: Versioned
     created: int  # unix seconds, as responses show it
+    tier: str = ""  # the tier it named, once aliases and `tier:ADAPTER` are resolved (`auto` when routed)
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ class Plan:
     @property
     def wanted_tier(self) -> str:
         """The tier asked for, or the one the router chose: whose answers the cache keys hold."""
-        return self.route.tier if self.route is not None else self.caller.model
+        return self.route.tier if self.route is not None else (self.caller.tier or self.caller.model)
 
     @property
     def verifier_actions(self) -> list[dict[str, Any]]:

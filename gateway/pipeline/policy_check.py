@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from gateway.http.errors import APIError
 from policies.policy import Policy
 
-__all__ = ["validate_policy"]
+__all__ = ["invalid_policy", "validate_policy"]
 
 
 def validate_policy(body: dict[str, Any], served: list[str], *, probe: bool, callable_: tuple[str, ...] = ()) -> Policy:
@@ -21,16 +21,16 @@ def validate_policy(body: dict[str, Any], served: list[str], *, probe: bool, cal
         policy = Policy.model_validate(body)
     except ValidationError as exc:
         problems = [(tuple(e["loc"]), e["msg"]) for e in exc.errors()]
-        raise _invalid(problems) from None
+        raise invalid_policy(problems) from None
     if problems := policy.check_tiers(served, callable_):
-        raise _invalid(problems)
+        raise invalid_policy(problems)
     if "probe" in policy.verifiers.checks and not probe:
         why = "no answer probe is trained on this gateway (switchboard verifiers train-probe)"
-        raise _invalid([(("verifiers", "checks"), why)])
+        raise invalid_policy([(("verifiers", "checks"), why)])
     return policy
 
 
-def _invalid(problems: list[tuple[tuple, str]]) -> APIError:
+def invalid_policy(problems: list[tuple[tuple, str]]) -> APIError:
     details = [{"param": ".".join(map(str, loc)) or None, "message": msg} for loc, msg in problems]
     first = details[0]
     more = f" (and {len(details) - 1} more)" if len(details) > 1 else ""

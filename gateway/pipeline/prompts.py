@@ -13,13 +13,23 @@ import anyio
 from engines.protocol import RequestRejected, TierEngine
 from engines.sampling import SamplingParams
 from engines.structured import Grammar, GrammarError
-from engines.tokenizer import Tokenizer
+from engines.tokenizer import ChatTemplateError, Tokenizer
+from gateway.adapters import AdapterRecord
 from gateway.http.errors import invalid
 from gateway.http.schemas import MAX_SCHEMA_CHARS, ChatCompletionRequest, CompletionRequest, ResponseFormat
+from gateway.pipeline.wires import Wire
 from gateway.routing.stage import RouteDecision
-from gateway.tool_calls import CallSpec, ToolRequest, fallback_messages, format_for, renders_tools, structural_tag
+from gateway.tool_calls import (
+    CallSpec,
+    ToolRequest,
+    fallback_messages,
+    format_for,
+    renders_tools,
+    structural_tag,
+    template_messages,
+)
 from policies.policy import Policy
-from policies.sampling import Asked, resolve
+from policies.sampling import Asked, instructed, resolve
 from verifiers.base import Context
 
 Body = ChatCompletionRequest | CompletionRequest
@@ -49,6 +59,7 @@ class Prepared:
     grammar: Grammar | None = None  # compiled for `engine`'s vocabulary
     calls: CallSpec | None = None  # answers are parsed for tool calls
     asked: str | None = None  # the model name the client sent (an alias's, before it named the tier)
+    adapter: AdapterRecord | None = None  # the LoRA adapter it runs under (`gateway.pipeline.adapter_choice`)
 
 
 async def tokenize(chars: int, fn: Callable[..., T], *args: Any) -> T:
@@ -265,3 +276,17 @@ def _prompt_text(body: Body, index: int) -> str:
     prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
     text = prompts[index] if index < len(prompts) else ""
     return text if isinstance(text, str) else ""
+
+
+async def chat_prompt(
+    engine: TierEngine, body: ChatCompletionRequest, policy: Policy, tools: ToolRequest | None, wire: Wire
+) -> tuple[list[dict[str, Any]], list[int]]:
+    """The conversation as the model sees it, and its token ids. The model (and the cache key) see the policy's
+    instruction; routing and stored prompts see the client's."""
+    shown = instructed(template_messages(body), policy.sampling.system_instruction)
+    turns, offered = chat_input(engine.tokenizer, shown, tools)
+    chars = sum(len(m["content"]) for m in turns) + (len(str(offered)) if offered else 0)
+    try:
+        return shown, await tokenize(chars, engine.tokenizer.encode_chat, turns, offered)
+    except ChatTemplateError as exc:
+        raise invalid(str(exc), param=wire.prompt_field) from None

@@ -12,6 +12,7 @@ from engines.protocol import TierEngine
 from gateway.accounting.ledger import Ledger
 from gateway.accounting.metrics import Metrics
 from gateway.accounting.tenants import Principal
+from gateway.adapters import AdapterStore
 from gateway.cache.stage import CacheStage
 from gateway.http.errors import APIError
 from gateway.http.schemas import ChatCompletionRequest, CompletionRequest
@@ -81,8 +82,9 @@ class Pipeline(Admission):
         metrics: Metrics | None = None,
         routing: RoutingStage | None = None,
         probe: AnswerProbe | None = None,
+        adapters: AdapterStore | None = None,
     ) -> None:
-        super().__init__(engines, settings, policies, budgets, cache, metrics, routing, probe)
+        super().__init__(engines, settings, policies, budgets, cache, metrics, routing, probe, adapters)
         self.ledger = ledger
         self.meter = Meter(ledger, budgets, metrics)
 

@@ -16,7 +16,7 @@ from gateway.accounting.tenants import TenantError, authenticate, create_key, cr
 
 
 def test_migration_creates_exactly_the_models_schema(database: Database) -> None:
-    assert database.current_revision() == "0005"
+    assert database.current_revision() == "0006"
     with database.engine.connect() as conn:
         diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
     assert diff == []

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from lora_adapters import EVERY, make_adapter
 from test_models import run_in_pieces
 
 from engines.checkpoints.loader import load_model
 from engines.engine import Engine, RequestRejected
-from engines.layers.lora import LoraBatch, lora_batch
+from engines.layers.lora import LayerAdapters, LoraBatch, LoraPart, LoraWeights, lora_batch
 from engines.lora import AdapterError, Adapters, load_adapter
 from engines.models.llama import LlamaForCausalLM
 from engines.request import EngineRequest
@@ -20,24 +21,6 @@ from engines.sampling import SamplingParams
 from tiny import VOCAB, tiny_hf_model
 
 peft = pytest.importorskip("peft")
-
-EVERY = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def make_adapter(base: Path, out: Path, seed: int, targets: list[str] = EVERY, **config: object) -> Path:
-    """A PEFT adapter on the tiny model at `base`, random A and B (so it changes the output), saved as PEFT does."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    settings = {"r": 4, "lora_alpha": 8, "target_modules": targets, "init_lora_weights": False} | config
-    model = peft.get_peft_model(hf, peft.LoraConfig(**settings))
-    with torch.no_grad():  # B at PEFT's "False" init is small; scale it so the adapter moves the logits clearly
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.mul_(20)
-    model.save_pretrained(out)
-    return out
 
 
 def peft_logits(base: Path, adapter: Path, ids: torch.Tensor) -> torch.Tensor:
@@ -87,7 +70,7 @@ class Under:
         return getattr(self.model, attr)
 
     def __call__(self, ids: torch.Tensor, *args: object) -> torch.Tensor:
-        with lora_batch(LoraBatch((self.name,), torch.zeros(len(ids), dtype=torch.int64))):
+        with lora_batch(LoraBatch.every_row(self.name, len(ids))):
             return self.model(ids, *args)
 
 
@@ -101,6 +84,33 @@ def greedy(engine: Engine, asks: dict[str, tuple[list[int], str | None]], max_to
         for o in engine.step():
             out[o.request_id] += o.new_token_ids
     return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_rows_delta_has_the_same_bits_whatever_else_is_in_the_step(dtype: torch.dtype) -> None:
+    """Each row's delta from 1 to 64 rows, two adapters interleaved, against that row alone: bit for bit (SmolLM2's
+    shapes: 576 wide, a fused 3-part layer, rank 4 and 8). The plain fp32 matmul failed this from 16 rows on."""
+    g = torch.Generator().manual_seed(0)
+    layer = LayerAdapters()
+    for name, rank in (("a", 4), ("b", 8)):
+        a = torch.randn(3 * rank, 576, generator=g).to(dtype)
+        parts = tuple(LoraPart(row, torch.randn(n, rank, generator=g).to(dtype)) for row, n in ((0, 576), (576, 192),
+                                                                                            (768, 192)))  # fmt: skip
+        layer.set(name, LoraWeights(a, parts))
+    xs = torch.randn(64, 576, generator=g).to(dtype)
+
+    def deltas(rows: int, names: list[str]) -> torch.Tensor:
+        owned = {n: [i for i in range(rows) if names[i] == n] for n in set(names)}
+        return layer.add(xs[:rows], torch.zeros(rows, 960, dtype=dtype), LoraBatch.of(owned))
+
+    names = ["a", "b"] * 32
+    first = deltas(1, names[:1])[0]
+    for rows in range(1, 65):  # row 0 among 1 to 64 rows
+        assert torch.equal(deltas(rows, names[:rows])[0], first), rows
+    for i in range(64):  # each row alone, against its place among 64
+        by_itself = layer.add(xs[i : i + 1], torch.zeros(1, 960, dtype=dtype), LoraBatch.every_row(names[i], 1))
+        assert torch.equal(deltas(64, names)[i], by_itself[0]), i
+    assert deltas(4, names[:4]).abs().sum() > 0
 
 
 @pytest.mark.parametrize("weights", [None, "int8", "int4"])

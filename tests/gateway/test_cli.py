@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -73,7 +74,7 @@ def test_serve_answers_the_openai_client(home_env: dict[str, str], tmp_path: Pat
 def test_tenant_and_key_commands(home_env: dict[str, str], postgres_url: str) -> None:
     for env in (home_env, {**home_env, "SWITCHBOARD_DATABASE_URL": postgres_url}):
         upgraded = cli(env, "db", "upgrade")
-        assert upgraded.returncode == 0 and "revision 0005" in upgraded.stderr
+        assert upgraded.returncode == 0 and "revision 0006" in upgraded.stderr
         first = cli(env, "tenant", "create", "acme")
         assert first.returncode == 0 and first.stdout.startswith("sk-sb-")
         again = cli(env, "tenant", "create", "acme")
@@ -86,6 +87,36 @@ def test_tenant_and_key_commands(home_env: dict[str, str], postgres_url: str) ->
         assert missing.returncode == 1 and "no key" in missing.stderr
         ops = cli(env, "tenant", "create", "ops", "--operator", "--role", "admin")
         assert ops.returncode == 0 and "operator tenant ops; its admin key" in ops.stderr
+
+
+def test_adapter_commands(home_env: dict[str, str], smollm2_dir: Path, tmp_path: Path) -> None:
+    """add checks the files against the tier's checkpoint before keeping anything; list and remove."""
+    pytest.importorskip("peft")
+    from lora_adapters import make_adapter
+
+    (tmp_path / "switchboard.toml").write_text('[tiers.small]\nmodel = "smollm2-135m-instruct"\nweights = "bf16"\n')
+    adapter = make_adapter(smollm2_dir, tmp_path / "support", 1)
+    assert cli(home_env, "tenant", "create", "acme").returncode == 0
+    added = cli(home_env, "adapter", "add", "acme", "small", "support", str(adapter))
+    assert added.returncode == 0, added.stderr
+    assert "registered small:support for acme: rank 4" in added.stderr
+    listed = [json.loads(line) for line in cli(home_env, "adapter", "list", "--tenant", "acme").stdout.splitlines()]
+    assert [(a["model"], a["source"], a["created_by"]) for a in listed] == [("small:support", "uploaded", "cli")]
+    again = cli(home_env, "adapter", "add", "acme", "small", "support", str(adapter))
+    assert again.returncode == 1 and "replace it explicitly" in again.stderr and "Traceback" not in again.stderr
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text("{not json")
+    (broken / "adapter_model.safetensors").write_bytes(b"")
+    bad = cli(home_env, "adapter", "add", "acme", "small", "broken", str(broken))
+    assert bad.returncode == 1 and "is not JSON" in bad.stderr and "Traceback" not in bad.stderr
+    assert cli(home_env, "adapter", "add", "acme", "huge", "x", str(adapter)).returncode == 1
+    assert cli(home_env, "adapter", "add", "nobody", "small", "x", str(adapter)).returncode == 1
+    removed = cli(home_env, "adapter", "remove", "acme", "small", "support")
+    assert removed.returncode == 0, removed.stderr
+    assert cli(home_env, "adapter", "list").stdout == ""
+    folder = Path(home_env["SWITCHBOARD_HOME"]) / "adapters"
+    assert [p for p in folder.rglob("*") if p.is_file()] == []  # neither the checked files nor the broken ones
 
 
 def test_budgets_reconcile_rewrites_counters_from_the_ledger(

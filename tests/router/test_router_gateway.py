@@ -603,13 +603,13 @@ def test_a_tenant_that_routes_everything_is_served_as_asked_without_a_router(
 
 
 def test_the_routed_prompts_migration_upgrades_and_downgrades(database: Database) -> None:
-    assert database.current_revision() == "0005"
+    assert database.current_revision() == "0006"
     assert "routed_prompts" in sa.inspect(database.engine).get_table_names()
     database.downgrade("0002")
     tables = set(sa.inspect(database.engine).get_table_names())
     assert "routed_prompts" not in tables and {"usage", "policy_versions", "audit_log"} <= tables
     database.upgrade()
-    assert database.current_revision() == "0005" and "routed_prompts" in sa.inspect(database.engine).get_table_names()
+    assert database.current_revision() == "0006" and "routed_prompts" in sa.inspect(database.engine).get_table_names()
     create_tenant(database, "acme")
     found = tenant_by_name(database, "acme")
     assert found is not None

@@ -23,6 +23,10 @@ void sb_paged_attention(const void* q, long q_stride, void* out, int T, int H, i
                         const void* vc, const void* ks, const void* vs, int kv_int8, int num_blocks, int bs,
                         const int32_t* tables, const int32_t* row_table, const int32_t* row_len, float scale,
                         int bf16, int window);
+void sb_lora_add(const void* x, int x_bf16, int K, long x_stride, void* out, int out_bf16, long out_stride,
+                 int n_groups, const int* group_rows, const int* group_start, const float* const* a, const int* ranks,
+                 int n_parts, const int* part_group, const int* part_row, const int* part_cols, const int* part_col,
+                 const int* part_rank, const float* const* bt, float* t, float* xf, int max_rank);
 }
 
 namespace {
@@ -37,6 +41,19 @@ struct Linear {
     const int32_t* out_idx;
     const int8_t* outlier_w;
     const float* bias;  // fp32, or null
+};
+
+// One linear layer's LoRA adapters for the step's groups (csrc/lora.cpp's fixed arguments; n_parts 0: none).
+struct LoraLinear {
+    const float* const* a;
+    const int32_t* ranks;
+    int32_t n_parts, max_rank;
+    const int32_t* part_group;
+    const int32_t* part_row;
+    const int32_t* part_cols;
+    const int32_t* part_col;
+    const int32_t* part_rank;
+    const float* const* bt;
 };
 
 struct Layer {
@@ -68,14 +85,27 @@ struct Step {
     void* attn;
     void* gate_up;
     void* act;
+    // LoRA (or null): per layer its qkv, o, gate_up, down; each adapter's rows (csrc/lora.cpp's groups) and scratch
+    const LoraLinear* lora;
+    int32_t n_groups;
+    const int32_t* group_rows;
+    const int32_t* group_start;
+    float* lora_t;
+    float* lora_xf;
 };
 
-void linear(const Linear& l, const void* x, int M, void* out) {
+// The base product, then (where the step has adapters on this layer) each row's adapter's delta, as the Python
+// path's Linear.forward does: the same kernels in the same order.
+void linear(const Linear& l, const void* x, int M, void* out, const Step& s, const LoraLinear* lora) {
     if (l.format == 1)
         sb_int8_linear(x, 1, M, l.k, l.n, static_cast<const int8_t*>(l.w), l.scales, l.neg_off, l.act_group,
                        l.out_idx, l.n_out, l.outlier_w, l.bias, out, 1);
     else
         sb_int4_linear(x, 1, M, l.k, l.n, static_cast<const uint8_t*>(l.w), l.bias, out, 1);
+    if (lora != nullptr && lora->n_parts > 0)
+        sb_lora_add(x, 1, l.k, l.k, out, 1, l.n, s.n_groups, s.group_rows, s.group_start, lora->a, lora->ranks,
+                    lora->n_parts, lora->part_group, lora->part_row, lora->part_cols, lora->part_col, lora->part_rank,
+                    lora->bt, s.lora_t, s.lora_xf, lora->max_rank);
 }
 
 // PagedKVCache.store for a bf16 cache: each row's k and v heads into its slot.
@@ -111,18 +141,19 @@ int sb_decoder(const Model* cfg, const Layer* layers, const Step* step, void* hi
         const Layer& L = layers[i];
         // First layer: no residual yet; its input is the stream (norm reads it, the stream stays it).
         sb_rms_norm(in, i == 0 ? nullptr : residual, L.ln1, s.normed, M, c.hidden, c.eps, 1);
-        linear(L.qkv, s.normed, M, s.qkv);
+        const LoraLinear* lora = s.lora ? s.lora + 4 * i : nullptr;
+        linear(L.qkv, s.normed, M, s.qkv, s, lora ? lora + 0 : nullptr);
         uint16_t* qkv = static_cast<uint16_t*>(s.qkv);
         sb_rope(qkv, c.heads, qkv + q_size, c.kv_heads, stride, s.cos, s.sin, M, c.head_dim, 1);
         store_kv(c, L, s, qkv, stride);
         sb_paged_attention(qkv, stride, s.attn, M, c.heads, c.kv_heads, c.head_dim, L.k_cache, L.v_cache, nullptr,
                            nullptr, 0, c.num_blocks, c.block_size, s.tables, s.row_table, s.row_len, c.scale, 1, 0);
         void* o = outs[i % 2];  // free: the other buffer holds this layer's input
-        linear(L.o, s.attn, M, o);
+        linear(L.o, s.attn, M, o, s, lora ? lora + 1 : nullptr);
         sb_rms_norm(o, residual, L.ln2, s.normed, M, c.hidden, c.eps, 1);
-        linear(L.gate_up, s.normed, M, s.gate_up);
+        linear(L.gate_up, s.normed, M, s.gate_up, s, lora ? lora + 2 : nullptr);
         sb_silu_mul(s.gate_up, s.act, M, c.inter, 1);
-        linear(L.down, s.act, M, o);
+        linear(L.down, s.act, M, o, s, lora ? lora + 3 : nullptr);
         in = o;
     }
     return (c.num_layers - 1) % 2;

@@ -1,0 +1,110 @@
+// LoRA deltas of a mixed batch in one call per linear layer (engines/layers/lora.py): each row's adapter's
+// shrink t = x·Aᵀ, then for each part of the layer the adapter trains out[row, part] += t[part's columns]·Bᵀ.
+//
+// Every value a row gets is computed by one thread, in one fixed order, from that row's input and its adapter's
+// weights only: the same bits whatever else is in the batch, however many rows share the adapter, however many
+// threads run (BLAS-style matmuls choose their blocking from the row count: MKL's sgemm gave a row other bits
+// from 16 rows on). In fp32 throughout; a bf16 output is rounded once, from fp32(out) + delta.
+//
+// Work: phase 1 is rows × rank dot products of length K; phase 2 is, per part and 64 output columns, each of
+// the adapter's rows times its B block (rank × 64, read once per block for all of that adapter's rows).
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch rounds (inputs are finite)
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return static_cast<uint16_t>(u >> 16);
+}
+
+inline float load(const void* base, int bf16, long i) {
+    return bf16 ? bf16_to_f32(static_cast<const uint16_t*>(base)[i]) : static_cast<const float*>(base)[i];
+}
+
+// Σ x[k]·a[k] over 32 lanes in a fixed order (4 × 8 accumulators, then a fixed tree), then the tail.
+inline float dot(const float* x, const float* a, int K) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();
+    int k = 0;
+    for (; k + 32 <= K; k += 32) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), _mm256_loadu_ps(a + k), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), _mm256_loadu_ps(a + k + 8), s1);
+        s2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 16), _mm256_loadu_ps(a + k + 16), s2);
+        s3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 24), _mm256_loadu_ps(a + k + 24), s3);
+    }
+    const __m256 s = _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, s);
+    float total = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+    for (; k < K; ++k) total += x[k] * a[k];
+    return total;
+}
+
+constexpr int BLOCK = 64;  // output columns per work item of phase 2
+
+}  // namespace
+
+extern "C" {
+
+// x: rows of K (bf16 or fp32) at x + m·x_stride; out: rows at out + m·out_stride. Groups (one per adapter):
+// group_rows[group_start[g] .. group_start[g+1]) are its rows, a[g] its A (ranks[g] × K, fp32; rank 0: none). Parts: part p
+// adds to output columns [part_row[p], + part_cols[p]) of group part_group[p]'s rows, from t's columns
+// [part_col[p], + part_rank[p]), with bt[p] its Bᵀ (part_rank[p] × part_cols[p], fp32). t: scratch of
+// (group_start[n_groups] × max_rank) floats; xf: scratch of (group_start[n_groups] × K) floats.
+void sb_lora_add(const void* x, int x_bf16, int K, long x_stride, void* out, int out_bf16, long out_stride,
+                 int n_groups, const int* group_rows, const int* group_start, const float* const* a, const int* ranks,
+                 int n_parts, const int* part_group, const int* part_row, const int* part_cols, const int* part_col,
+                 const int* part_rank, const float* const* bt, float* t, float* xf, int max_rank) {
+    const int total = group_start[n_groups];
+#pragma omp parallel for schedule(static)
+    for (int i = 0; i < total; ++i) {  // phase 1: each gathered row's t, from its own fp32 copy of x
+        int g = 0;
+        while (group_start[g + 1] <= i) ++g;
+        if (ranks[g] == 0) continue;  // this layer holds no adapter of that group's
+        const long m = group_rows[i];
+        float* row = xf + static_cast<long>(i) * K;
+        for (int k = 0; k < K; ++k) row[k] = load(x, x_bf16, m * x_stride + k);
+        for (int j = 0; j < ranks[g]; ++j) t[static_cast<long>(i) * max_rank + j] = dot(row, a[g] + static_cast<long>(j) * K, K);
+    }
+    int items = 0;
+    for (int p = 0; p < n_parts; ++p) items += (part_cols[p] + BLOCK - 1) / BLOCK;
+#pragma omp parallel for schedule(static)
+    for (int w = 0; w < items; ++w) {  // phase 2: one part's 64 output columns for each of its adapter's rows
+        int p = 0, first = w;
+        while (first >= (part_cols[p] + BLOCK - 1) / BLOCK) first -= (part_cols[p++] + BLOCK - 1) / BLOCK;
+        const int c0 = first * BLOCK, width = part_cols[p] - c0 < BLOCK ? part_cols[p] - c0 : BLOCK;
+        const int g = part_group[p], rank = part_rank[p];
+        const float* b = bt[p];
+        for (int i = group_start[g]; i < group_start[g + 1]; ++i) {
+            alignas(32) float acc[BLOCK] = {};
+            const float* ti = t + static_cast<long>(i) * max_rank + part_col[p];
+            for (int j = 0; j < rank; ++j) {  // j ascending: every column sums its rank terms in one order
+                const float tj = ti[j];
+                const float* bj = b + static_cast<long>(j) * part_cols[p] + c0;
+                for (int c = 0; c < width; ++c) acc[c] += tj * bj[c];
+            }
+            const long base = static_cast<long>(group_rows[i]) * out_stride + part_row[p] + c0;
+            if (out_bf16) {
+                uint16_t* o = static_cast<uint16_t*>(out) + base;
+                for (int c = 0; c < width; ++c) o[c] = f32_to_bf16(bf16_to_f32(o[c]) + acc[c]);
+            } else {
+                float* o = static_cast<float*>(out) + base;
+                for (int c = 0; c < width; ++c) o[c] += acc[c];
+            }
+        }
+    }
+}
+
+}  // extern "C"
