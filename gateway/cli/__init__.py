@@ -15,13 +15,13 @@ from collections.abc import Callable, Sequence
 
 from engines.checkpoints.fetch import FetchError
 from gateway.accounting.tenants import TenantError
-from gateway.cli import adapters, db, models, policy, router, serve, tenants, verifiers
+from gateway.cli import adapters, db, distill, models, policy, router, serve, tenants, verifiers
 from gateway.cli.common import Failure
 
 __all__ = ["main"]
 
-# serve, models, tenant, key, adapter, db, router, verifiers, policy: the order `switchboard --help` shows
-_AREAS = (serve, models, tenants, adapters, db, router, verifiers, policy)
+# serve, models, tenant, key, adapter, distill, db, router, verifiers, policy: the order `switchboard --help` shows
+_AREAS = (serve, models, tenants, adapters, distill, db, router, verifiers, policy)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
