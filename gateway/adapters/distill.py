@@ -17,7 +17,9 @@ tenant's stored prompts, deployed only if it agrees with the large tier more oft
    with examples, when it passes them too, or else when the texts match. Deployed only if the adapter agrees on
    more held-out prompts than the base does.
 6. **Deploy**: registered as the tenant's adapter (source `distilled`, the numbers in its details) and made the
-   small tier's default in the tenant's policy (a new version, audited); `deploy=False` stops after the gate.
+   small tier's default in the tenant's policy, the routing it learned on the bare tier forgotten in the same new
+   version (`gateway.adapters.policy`): learning starts again on verdicts of the adapted tier; `deploy=False`
+   stops after the gate.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from engines.lora.train import Example, TrainConfig, train_adapter
 from engines.request import EngineRequest
 from engines.sampling import SamplingParams
 from engines.tokenizer import Tokenizer
+from gateway.adapters.policy import serve_by_default
 from gateway.adapters.store import AdapterStore
 from gateway.runtime.tiers import load_tier_engine
 from grading.answers import extract_answer
@@ -160,11 +163,8 @@ def distill(
             tenant_id, small, name, result.adapter, lambda d: load_adapter(d, student.model), actor="distill",
             origin="distilled", details=report.as_dict(), replace=True,
         )  # fmt: skip
-        policies = PolicyStore(db)
-        current = policies.current(tenant_id).policy
-        body = current.model_dump(mode="json")
-        body["adapters"] = {**body.get("adapters", {}), small: name}
-        policies.save(tenant_id, type(current).model_validate(body), "distill", f"distilled adapter {small}:{name}")
+        note = f"distilled adapter {small}:{name} deployed ({report.why}); routing learning restarts"
+        serve_by_default(PolicyStore(db), tenant_id, small, name, "distill", note)
         report.deployed = True
     return report
 

@@ -24,6 +24,7 @@ from pydantic import BaseModel
 from engines.async_engine import AsyncEngine
 from engines.lora import CONFIG, WEIGHTS, AdapterError, LoraAdapter, load_adapter
 from gateway.adapters import ADAPTER_NAME, AdapterConflict, AdapterRecord, AdapterStore, UnknownAdapter
+from gateway.adapters.policy import forget_learning_if_default
 from gateway.api.auth import AdminPrincipal, visible_tenant
 from gateway.api.deps import DatabaseDep, PipelineDep, PolicyStoreDep
 from gateway.api.params import TenantName
@@ -76,6 +77,7 @@ async def upload(
     tenant: TenantName,
     db: DatabaseDep,
     pipeline: PipelineDep,
+    policies: PolicyStoreDep,
     principal: AdminPrincipal,
     tier: Annotated[str, Form(description="the tier whose model it adapts")],
     name: Annotated[str, Form(description="requests name it `<tier>:<name>`")],
@@ -110,6 +112,8 @@ async def upload(
                           code="invalid_adapter") from None  # fmt: skip
         except AdapterConflict as exc:
             raise APIError(409, str(exc), param="name", code="adapter_exists") from None
+    if replace:  # the tenant's default tier changed under the same name: what its routing learned goes
+        await anyio.to_thread.run_sync(lambda: forget_learning_if_default(policies, t.id, tier, name, principal.actor))
     return _out(record)
 
 

@@ -66,6 +66,11 @@ def _add(args: argparse.Namespace) -> int:
                                 replace=args.replace)  # fmt: skip
     except (AdapterError, AdapterConflict) as exc:
         raise Failure(str(exc)) from None
+    if args.replace:
+        from gateway.adapters.policy import forget_learning_if_default
+        from policies.store import PolicyStore
+
+        forget_learning_if_default(PolicyStore(db), record.tenant_id, args.tier, args.name, "cli")
     size = record.size_bytes / 1e6
     print(f"registered {record.model} for {args.tenant}: rank {record.rank}, {size:.1f} MB", file=sys.stderr)
     print(json.dumps(record.as_dict()))

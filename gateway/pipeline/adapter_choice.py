@@ -14,7 +14,7 @@ response cache by the adapter's digest, and its ledger row names the checkpoint 
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Mapping
 from typing import TypeVar
 
 import anyio
@@ -46,9 +46,10 @@ def ledger_model(checkpoint: str, adapter: AdapterRecord | None) -> str:
 
 
 class AdapterChoice:
-    def __init__(self, store: AdapterStore | None, tiers: Collection[str]) -> None:
+    def __init__(self, store: AdapterStore | None, engines: Mapping[str, TierEngine]) -> None:
         self.store = store
-        self.tiers = list(tiers)
+        self.engines = engines
+        self.tiers = list(engines)
         self.loader = AdapterLoader()
 
     async def named(self, principal: Principal, body: B) -> tuple[B, AdapterRecord | None]:
@@ -82,6 +83,18 @@ class AdapterChoice:
         except AdapterError as exc:
             raise APIError(503, f"The adapter `{record.model}` cannot be served right now: {exc}",
                            code="adapter_unavailable") from None  # fmt: skip
+
+    async def key_for(self, tenant_id: int, tier: str, name: str) -> str | None:
+        """The engine's name for the tenant's adapter `name` on `tier`, loaded; None where it is gone or cannot be
+        served now (what explore runs ask: `gateway.routing.explore`)."""
+        record = await self._find(tenant_id, tier, name)
+        engine = self.engines.get(tier)
+        if record is None or engine is None:
+            return None
+        try:
+            return await self.load(engine, record)
+        except APIError:
+            return None
 
     async def missing(self, tenant_id: int, policy: Policy) -> list[tuple[tuple[str, ...], str]]:
         """(field path, message) for each default adapter the policy names that the tenant has not registered."""

@@ -95,6 +95,8 @@ class Admission:
         self.probe = probe  # the trained answer probe, for policies with the `probe` check
         self.flights = Flights()  # this process's requests whose answers others may wait for
         self.adapters = AdapterChoice(adapters, self.engines)  # `model: "small:NAME"`, a policy's default adapter
+        if self.routing.explorer is not None:  # explore runs judge a tenant's tier under its adapter
+            self.routing.explorer.adapter_key = self.adapters.key_for
 
     async def policy(self, principal: Principal) -> Versioned:
         if (hit := self.policies.cached(principal.tenant_id)) is not None:
@@ -346,14 +348,9 @@ class Admission:
         if self.cache is None or params.logprobs is not None:  # a stored answer keeps no logprobs
             return Seat(BYPASS)
         mode = cache_mode(body.model_extra, cache_header)
+        keyed = cache_tier(tier, p.adapter)  # the adapter's files are part of what answered
         decision = await self.cache.lookup(
-            principal.tenant_id,
-            policy.cache,
-            mode,
-            p.endpoint,
-            cache_tier(tier, p.adapter),
-            p.conversation,
-            answer_params(body, params),
+            principal.tenant_id, policy.cache, mode, p.endpoint, keyed, p.conversation, answer_params(body, params)
         )
         tenant = principal.tenant_id
         return await join(self.flights, self.cache.semantic, tenant, request_id, decision, stream=body.stream)

@@ -8,7 +8,8 @@ the verdicts a tenant's own routing layer learns from (`gateway.routing.learning
               the current tiers and router (runs under way included); 0 turns it off, as does the operator's
               `shadow_runs = false`
     run       once the response is out, behind live requests (the shadow priority), greedily on each cheaper
-              tier; judged against the large answer as shadow runs are (identical: yes; a word problem: its
+              tier (under the tenant's adapter where its policy serves the tier under one: what that tenant's
+              tier is); judged against the large answer as shadow runs are (identical: yes; a word problem: its
               final number; else the large tier's judge)
     accounted one ledger row per tier run and one for its judge (`route = "explore"`, ids the request's plus
               `-explore-<tier>` and `-explore-<tier>-judge`): with `router.shadow_billed` priced at each
@@ -23,14 +24,16 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Awaitable, Callable
 from decimal import Decimal
 
 import anyio
 
 from engines.protocol import RequestRejected
 from gateway.routing.background import BackgroundRuns
+from gateway.routing.learning import identities_for
 from gateway.routing.shadow import JUDGE_TEMPLATE_TOKENS, WARMUP_SHARE, Relabeler
-from gateway.routing.shadow_rows import Answer, Failed, ShadowJob, ShadowUsage, Spent, run_cost
+from gateway.routing.shadow_rows import Answer, Failed, ShadowJob, ShadowUsage, Spent, adapted, run_cost
 from policies.budgets import BudgetError, Reservation
 from policies.pricing import Tokens, worst_case
 from policies.store import Versioned
@@ -50,6 +53,9 @@ class Explorer:
         self.runs = BackgroundRuns()
         # tier → model@weights/dtype, as the label rows record it: what verdicts are keyed by
         self.identities = {tier: tier_model(t) for tier, t in relabeler.settings.tiers.items()}
+        # (tenant id, tier, adapter name) → the engine's name for it, loaded (None: no longer registered): set by
+        # the pipeline, which owns the tenants' adapters; without it a tier under an adapter is not explored
+        self.adapter_key: Callable[[int, str, str], Awaitable[str | None]] | None = None
 
     def share(self, policy: Versioned, tenant: str, router: str) -> float:
         """The share of the tenant's large answers explored now: the policy's, or WARMUP_SHARE until it has
@@ -57,9 +63,9 @@ class Explorer:
         settings = policy.policy.router
         if settings.explore_share <= 0:
             return 0.0
-        done = self.relabeler.learning.count(
-            tenant, self.identities, router, since=settings.learn_since, direction="explore"
-        )
+        identities = identities_for(self.identities, policy.policy)
+        since = settings.learn_since
+        done = self.relabeler.learning.count(tenant, identities, router, since=since, direction="explore")
         warm = done + self.runs.running(tenant) < settings.explore_warmup
         return max(settings.explore_share, WARMUP_SHARE) if warm else settings.explore_share
 
@@ -103,6 +109,11 @@ class Explorer:
             engine.check(prompt, max_tokens)
         except RequestRejected:
             return None  # too long for the cheaper tier: it could not have served it
+        adapter, key = job.policy.policy.adapters.get(tier), None
+        if adapter is not None:  # the tenant's tier is its adapter: judge that, or nothing
+            key = await self.adapter_key(job.tenant_id, tier, adapter) if self.adapter_key is not None else None
+            if key is None:
+                return None
         reservation = None
         if job.policy.policy.router.shadow_billed:
             reservation = await self._reserve(job, rid, tier, len(prompt), max_tokens)
@@ -111,7 +122,7 @@ class Explorer:
         answer, spent, status, good, verdict = Answer(), Spent(), "ok", False, None
         try:
             try:  # generate runs at the shadow priority: behind live requests
-                answer = await relabeler.generate(engine, rid, prompt, max_tokens, job.tenant_id)
+                answer = await relabeler.generate(engine, rid, prompt, max_tokens, job.tenant_id, adapter=key)
             except Failed as failed:
                 answer = failed.answer
                 raise
@@ -176,7 +187,8 @@ class Explorer:
             "prompt_tokens": prompt, f"{tier}_tokens": answer.tokens, "large_tokens": job.answer_tokens,
             f"{tier}_finish": answer.finish, "large_finish": job.answer_finish, "seconds": round(seconds, 3),
             "judge": verdict, "judge_prompt_tokens": judge.prompt_tokens, "judge_tokens": judge.tokens,
-            f"{tier}_model": tier_model(tiers[tier]) if tier in tiers else tier,
+            f"{tier}_model": adapted(tier_model(tiers[tier]) if tier in tiers else tier,
+                                     job.policy.policy.adapters.get(tier)),
             "large_model": tier_model(tiers[LARGE]) if LARGE in tiers else LARGE,
             "request_id": job.request_id, "tenant_id": job.tenant_id, "tenant": job.tenant, "started": started,
             "cost_usd": str(cost), "cell": job.cell, "router": job.router,

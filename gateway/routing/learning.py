@@ -16,8 +16,9 @@ versions.
     reset    a policy version without the learned routing whose `learn_since` is now: what came before is not
              learned from again (`policy.reset_learning`)
 
-Verdicts count for the tier identity they judged (model, weights, dtype): a changed tier has none until its own
-come, and routing learned for another identity (or another router's regions) is not applied.
+Verdicts count for the tier identity they judged (model, weights, dtype, and the tenant's adapter where its
+policy serves the tier under one: `identities_for`): a changed tier, or a tier under a newly deployed adapter, has
+none until its own come, and routing learned for another identity (or another router's regions) is not applied.
 """
 
 from __future__ import annotations
@@ -31,13 +32,14 @@ from typing import Any
 
 import anyio
 
+from gateway.routing.shadow_rows import adapted
 from policies.policy import LearnedRouting, Policy
 from policies.store import PolicyStore, Versioned
 from router_model.model import LARGE
 from router_model.quality import TenantVerdicts
 from router_model.tenant_layer import MIN_FRESH, LearningVerdicts, Seen, learn_threshold, tenant_curve
 
-__all__ = ["ACTION_RESET", "MIN_SEEN", "WINDOW", "TenantLearning"]
+__all__ = ["ACTION_RESET", "MIN_SEEN", "WINDOW", "TenantLearning", "identities_for"]
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +48,12 @@ ACTION = "policy.recalibrate"
 ACTION_RESET = "policy.reset_learning"
 WINDOW = 1000  # routed prompts a tenant's floor is re-estimated on
 MIN_SEEN = 20  # routed prompts before its mix is worth estimating on
+
+
+def identities_for(identities: Mapping[str, str], policy: Policy) -> dict[str, str]:
+    """The tiers' identities for a tenant: each tier its policy serves under an adapter (`Policy.adapters`) with
+    that adapter's name, as the verdicts on its answers record it (`gateway.routing.shadow_rows.adapted`)."""
+    return {t: adapted(identity, policy.adapters.get(t)) for t, identity in identities.items()}
 
 
 class TenantLearning:
@@ -64,6 +72,10 @@ class TenantLearning:
         self._large: dict[str, deque[bool]] = {}  # per prompt of the window: whether its routing sent it large
         self._lock = asyncio.Lock()  # one learning at a time
 
+    def of(self, policy: Policy) -> dict[str, str]:
+        """The tiers' identities for a tenant under `policy` (`identities_for`)."""
+        return identities_for(self.identities, policy)
+
     def add(self, tenant: str, seen: Seen, large: bool) -> None:
         """A routed prompt of `tenant`, as the router placed it, and whether it went large."""
         self._seen.setdefault(tenant, deque(maxlen=WINDOW)).append(seen)
@@ -76,14 +88,15 @@ class TenantLearning:
         learned = settings.learned
         if learned is None or not settings.learn or settings.mode != "quality_ratio" or learned.router != router:
             return None
-        if any(self.identities.get(tier) != identity for tier, identity in learned.identities.items()):
+        here = self.of(policy)
+        if any(here.get(tier) != identity for tier, identity in learned.identities.items()):
             return None
         return learned
 
     def fresh(self, tenant: str, policy: Policy, router: str) -> int:
         """Verdicts for the current tiers since the tenant's last learning (or reset)."""
         learned = self.active(policy, router)
-        total = self.verdicts.count(tenant, self.identities, router, since=policy.router.learn_since)
+        total = self.verdicts.count(tenant, self.of(policy), router, since=policy.router.learn_since)
         return total - (learned.verdicts if learned is not None else 0)
 
     async def check(
@@ -114,11 +127,12 @@ class TenantLearning:
         self, tenant: str, policy: Policy, router: str, ladder: Sequence[str], learned: LearnedRouting | None
     ) -> tuple[Policy | None, str]:
         settings = policy.router
-        cells = self.verdicts.cells(tenant, self.identities, router, since=settings.learn_since)
+        identities = self.of(policy)
+        cells = self.verdicts.cells(tenant, identities, router, since=settings.learn_since)
         seen, went_large = list(self._seen[tenant]), list(self._large[tenant])
         before = sum(went_large) / len(went_large)
         found = learn_threshold(seen, cells, settings.quality_ratio, ladder, LARGE)
-        total = self.verdicts.count(tenant, self.identities, router, since=settings.learn_since)
+        total = self.verdicts.count(tenant, identities, router, since=settings.learn_since)
         if found is None:
             if learned is None:
                 return None, ""
@@ -130,7 +144,7 @@ class TenantLearning:
             return None, ""  # the shipped routing is as cheap: nothing to move toward small
         made = LearnedRouting(
             router=router, threshold=round(found.threshold, 6),
-            identities={t: self.identities[t] for t in ladder if t != LARGE and t in self.identities},
+            identities={t: identities[t] for t in ladder if t != LARGE and t in identities},
             cells={cell: dict(tiers) for cell, tiers in sorted(cells.items())}, verdicts=total,
             shadow_judged=self.shadow.judged(tenant), ratio=round(min(1.0, found.ratio), 4),
             low=round(max(-1.0, found.low), 4), large_share=round(found.large_share, 4),
@@ -159,7 +173,7 @@ class TenantLearning:
         applies, what it was learned from, the curve on its mix now, and what its verdicts cost."""
         settings = policy.router
         learned = self.active(policy, router)
-        cells = self.verdicts.cells(tenant, self.identities, router, since=settings.learn_since)
+        cells = self.verdicts.cells(tenant, self.of(policy), router, since=settings.learn_since)
         seen = list(self._seen.get(tenant, ()))
         curve = tenant_curve(seen, cells, settings.quality_ratio, ladder, LARGE) if len(seen) >= MIN_SEEN else None
         spend = self.verdicts.spend(tenant)
@@ -168,7 +182,7 @@ class TenantLearning:
             "active": learned is not None,
             "threshold": learned.threshold if learned is not None else None,
             "learned": learned.model_dump(mode="json", exclude={"cells"}) if learned is not None else None,
-            "verdicts": self.verdicts.count(tenant, self.identities, router, since=settings.learn_since),
+            "verdicts": self.verdicts.count(tenant, self.of(policy), router, since=settings.learn_since),
             "fresh": self.fresh(tenant, policy, router),
             "cells": {cell: {t: list(c) for t, c in tiers.items()} for cell, tiers in sorted(cells.items())},
             "curve": [list(p) for p in curve.points] if curve is not None else [],  # (threshold, large share, ratio)

@@ -241,11 +241,18 @@ class Relabeler:
         return parse_verdict(spent.judge.text) is True, spent.judge.text
 
     async def generate(
-        self, engine: TierEngine, request_id: str, prompt: list[int], max_tokens: int, tenant_id: int
+        self,
+        engine: TierEngine,
+        request_id: str,
+        prompt: list[int],
+        max_tokens: int,
+        tenant_id: int,
+        adapter: str | None = None,
     ) -> Answer:
+        """`engine`'s greedy answer at the shadow priority (under `adapter`: the engine's name for a loaded one)."""
         salt = f"tenant:{tenant_id}" if self.settings.prefix_cache_scope == "tenant" else ""
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-        request = EngineRequest(request_id, prompt, params, priority=SHADOW_PRIORITY, cache_salt=salt)
+        request = EngineRequest(request_id, prompt, params, priority=SHADOW_PRIORITY, cache_salt=salt, adapter=adapter)
         pieces: list[str] = []
         try:
             stream = engine.open([request])

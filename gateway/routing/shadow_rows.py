@@ -33,6 +33,7 @@ __all__ = [
     "ShadowMeter",
     "ShadowUsage",
     "Spent",
+    "adapted",
     "label_row",
     "labels_path",
     "run_cost",
@@ -41,6 +42,12 @@ __all__ = [
 ]
 
 LABELS_FILE = "router-labels.jsonl"
+
+
+def adapted(identity: str, adapter: str | None) -> str:
+    """A tier's identity in the verdicts (model@weights/dtype), with the tenant's adapter it ran under: verdicts
+    on the bare tier never count for the adapted one, nor one adapter's for another's."""
+    return identity if adapter is None else f"{identity}+{adapter}"
 
 
 def labels_path(home: Path) -> Path:
@@ -157,7 +164,10 @@ def label_row(
         "judge": judged,
         "judge_prompt_tokens": judge.prompt_tokens,
         "judge_tokens": judge.tokens,
-        f"{served}_model": tier_model(tiers[served]) if served in tiers else served,
+        # a routed answer ran under the tenant's default adapter of its tier, if its policy names one
+        f"{served}_model": adapted(
+            tier_model(tiers[served]) if served in tiers else served, job.policy.policy.adapters.get(served)
+        ),
         "large_model": tier_model(tiers[LARGE]) if LARGE in tiers else LARGE,
         "request_id": job.request_id,
         "tenant_id": job.tenant_id,

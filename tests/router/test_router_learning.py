@@ -8,6 +8,7 @@ otherwise, and its routing moves toward small, audited, its estimate over the fl
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import httpx
 import test_router_gateway as shared
@@ -143,3 +144,44 @@ def test_one_tenants_verdicts_never_reach_anothers_routing(router_gateway: Gatew
     assert stage.learning.verdicts.cells(two, identities, router) == {}
     policies = app_services(router_gateway.live.app).policies
     assert policies.current(two_id).policy.router.learned is None
+
+
+def test_a_tier_under_the_tenants_adapter_is_explored_under_it_and_learned_apart(
+    router_gateway: Gateway, smollm2_dir: Path, tmp_path: Path
+) -> None:
+    """A tenant whose policy serves small under its adapter: explore runs small under that adapter (the engine
+    loads it), the verdicts carry its name beside the tier's identity, so verdicts on the bare small tier never
+    count for it; replacing its files forgets what was learned, and other tenants' verdicts stay the bare tier's."""
+    from lora_adapters import make_adapter
+
+    from engines.lora import load_adapter
+    from gateway.adapters.policy import forget_learning_if_default, serve_by_default
+
+    pipeline = running_pipeline(router_gateway.live.app)
+    store, stage = pipeline.adapters.store, pipeline.routing
+    assert store is not None and stage.explorer is not None
+    name, key, tenant_id = router_gateway.tenant(explore_share=1.0, quality_ratio=0.5, recalibration=AIMED)
+    plain, plain_key, _ = router_gateway.tenant(explore_share=1.0, quality_ratio=0.5, recalibration=AIMED)
+    engine = pipeline.engines["small"]
+    files = make_adapter(smollm2_dir, tmp_path / "mine", 3)
+    record = store.register(tenant_id, "small", "mine", files, lambda d: load_adapter(d, engine.engine.model),
+                            actor="test")  # fmt: skip
+    policies = app_services(router_gateway.live.app).policies
+    serve_by_default(policies, tenant_id, "small", "mine", "test", "adapter")
+    for i in range(3):
+        assert router_gateway.chat(key, hard(5000 + i)).headers["x-switchboard-tier"] == "large"
+        assert router_gateway.chat(plain_key, hard(5000 + i)).headers["x-switchboard-tier"] == "large"
+    wait(lambda: len(explore_rows(router_gateway, name)) >= 3 and len(explore_rows(router_gateway, plain)) >= 3)
+    base = stage.learning.identities["small"]
+    assert {r["small_model"] for r in explore_rows(router_gateway, name)} == {f"{base}+mine"}
+    assert {r["small_model"] for r in explore_rows(router_gateway, plain)} == {base}
+    assert record.key in engine.engine.adapters  # the explore runs loaded it
+    policy = policies.current(tenant_id).policy
+    router = stage.service.router.id if stage.service is not None else ""
+    assert stage.learning.of(policy)["small"] == f"{base}+mine"
+    assert stage.learning.verdicts.count(name, stage.learning.of(policy), router) >= 3
+    assert stage.learning.verdicts.count(name, stage.learning.identities, router) == 0  # not the bare tier's
+    version = forget_learning_if_default(policies, tenant_id, "small", "mine", "test")
+    assert version is not None and policies.current(tenant_id).policy.router.learn_since > 0
+    assert stage.learning.verdicts.count(name, stage.learning.of(policies.current(tenant_id).policy), router,
+                                         since=policies.current(tenant_id).policy.router.learn_since) == 0  # fmt: skip
