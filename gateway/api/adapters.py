@@ -27,7 +27,7 @@ from gateway.adapters import ADAPTER_NAME, AdapterConflict, AdapterRecord, Adapt
 from gateway.adapters.policy import forget_learning_if_default
 from gateway.api.auth import AdminPrincipal, visible_tenant
 from gateway.api.deps import DatabaseDep, PipelineDep, PolicyStoreDep
-from gateway.api.params import TenantName
+from gateway.api.params import AdapterName, TenantName, TierName
 from gateway.http.errors import APIError, documented, invalid
 from gateway.pipeline import Pipeline
 
@@ -120,8 +120,8 @@ async def upload(
 @router.delete("/{tier}/{name}", status_code=204)
 async def delete(
     tenant: TenantName,
-    tier: str,
-    name: str,
+    tier: TierName,
+    name: AdapterName,
     db: DatabaseDep,
     policies: PolicyStoreDep,
     pipeline: PipelineDep,

@@ -21,6 +21,9 @@ KEY_PREFIX_PATTERN = r"^sk-sb-[A-Za-z0-9_\-]{10,43}$"
 TenantName = Annotated[str, Path(pattern=TENANT_PATTERN, description="a tenant's name")]
 TenantFilter = Annotated[str | None, Query(pattern=TENANT_PATTERN, description="only this tenant")]
 KeyPrefix = Annotated[str, Path(pattern=KEY_PREFIX_PATTERN, description="the key's first 16 characters (or all of it)")]
+TierName = Annotated[str, Path(pattern=r"^[A-Za-z0-9_.\-]{1,32}$", description="a tier's name")]
+# As gateway.adapters.names registers them.
+AdapterName = Annotated[str, Path(pattern=r"^[a-z0-9][a-z0-9._\-]{0,63}$", description="an adapter's name")]
 
 _ISO_DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
 

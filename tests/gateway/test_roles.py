@@ -35,6 +35,7 @@ PATH_VALUES = {
     "proposal": "1",
     "pid": "1",
     "response_id": "resp-0",
+    "tier": "small",
 }
 
 
