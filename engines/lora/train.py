@@ -1,5 +1,7 @@
 """A LoRA adapter trained on a checkpoint from (prompt, answer) token pairs: response distillation, the teacher's
-answer tokens as targets (cross-entropy on the answer only, never on the prompt).
+answer tokens as targets (cross-entropy on the answer only, never on the prompt), and logit distillation where the
+teacher's top-k next-token distributions come with them (KL on those k, as `engines.speculative.distill` trains
+drafts; the held-out loss stays the answers' cross-entropy, comparable between runs).
 
 transformers' own model class for the checkpoint's family and `peft` do the model and the adapter (what vLLM and
 transformers load back: `adapter_config.json` + `adapter_model.safetensors`); this module owns the loop:
@@ -38,6 +40,9 @@ CHECKPOINT = "checkpoint.pt"
 class Example:
     prompt: list[int]  # the prompt as the served tier tokenizes it (its chat template applied)
     answer: list[int]  # the teacher's answer, its end-of-turn token included
+    # per answer token, where the teacher gave them: its top-k next-token ids and log-probabilities at that
+    # position (logit distillation); shorter than `answer` where the last ones have none (the end-of-turn token)
+    top: tuple[tuple[tuple[int, ...], tuple[float, ...]], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,7 @@ class TrainConfig:
     save_every: int = 10  # steps between checkpoints
     seed: int = 0
     patience: int = 1  # epochs without a better held-out loss before stopping
+    top_weight: float = 0.5  # where examples carry the teacher's top-k: loss = (1 − w)·CE + w·KL(teacher ‖ student)
 
 
 @dataclass(frozen=True)
@@ -72,7 +78,7 @@ class TrainResult:
 def _digest(examples: Sequence[Example], heldout: Sequence[Example], config: TrainConfig) -> str:
     h = hashlib.sha256(json.dumps(asdict(config), sort_keys=True).encode())
     for ex in [*examples, None, *heldout]:
-        h.update(b"|" if ex is None else json.dumps([ex.prompt, ex.answer]).encode())
+        h.update(b"|" if ex is None else json.dumps([ex.prompt, ex.answer, ex.top]).encode())
     return h.hexdigest()
 
 
@@ -83,11 +89,24 @@ def _fit(ex: Example, max_tokens: int) -> tuple[list[int], int]:
     return prompt + answer, len(prompt)
 
 
-def _loss(model: torch.nn.Module, ex: Example, max_tokens: int) -> torch.Tensor:
+def _loss(model: torch.nn.Module, ex: Example, max_tokens: int, top_weight: float = 0.0) -> torch.Tensor:
+    """Cross-entropy on the answer's tokens; with the teacher's top-k (`ex.top`) and `top_weight`, mixed with the
+    KL divergence from the teacher's top-k distribution (renormalised over its k) to the student's, at the
+    positions that have one: how far the student's next-token distribution is from the teacher's, not only
+    from its choice."""
     ids, start = _fit(ex, max_tokens)
     x = torch.tensor([ids])
     logits = model(input_ids=x).logits[0, start - 1 : -1].float()
-    return torch.nn.functional.cross_entropy(logits, x[0, start:])
+    ce = torch.nn.functional.cross_entropy(logits, x[0, start:])
+    positions = min(len(ex.top), logits.shape[0])
+    if not top_weight or positions == 0:
+        return ce
+    k = min(len(t[0]) for t in ex.top[:positions])
+    top_ids = torch.tensor([list(t[0][:k]) for t in ex.top[:positions]])
+    teacher = torch.log_softmax(torch.tensor([list(t[1][:k]) for t in ex.top[:positions]]), dim=-1)
+    student = torch.log_softmax(logits[:positions], dim=-1).gather(1, top_ids)
+    kl = (teacher.exp() * (teacher - student)).sum(-1).mean()
+    return (1 - top_weight) * ce + top_weight * kl
 
 
 def _heldout_loss(model: torch.nn.Module, heldout: Sequence[Example], max_tokens: int) -> float:
@@ -199,7 +218,7 @@ class _Run:
         self.optimizer.zero_grad(set_to_none=True)
         total = 0.0
         for i in batch:
-            loss = _loss(self.model, self.examples[i], config.max_tokens) / len(batch)
+            loss = _loss(self.model, self.examples[i], config.max_tokens, config.top_weight) / len(batch)
             loss.backward()
             total += float(loss)
         self.optimizer.step()

@@ -5,9 +5,11 @@ tenant's stored prompts, deployed only if it agrees with the large tier more oft
    `router.store_prompts` (refused otherwise); newest first, at most `limit`, plain text turns only (a tool
    loop's turns are left out). Never another tenant's rows: the query is the tenant's.
 2. **Teacher**: the large tier answers each one, greedy, on our engine, as the gateway serves it (the gateway
-   keeps no answer text, so the answers are the large tier's now). An answer the gateway's own checks reject is
-   left out and counted: a code prompt whose own examples the answer fails (`grading.examples`, in the jail).
-   The answers are kept in the work folder as they come, so a stopped run does not ask again.
+   keeps no answer text, so the answers are the large tier's now), with its top-k next-token distribution at
+   each answer token (`top_k`, 8: logit distillation; the engine computes them while choosing). An answer the
+   gateway's own checks reject is left out and counted: a code prompt whose own examples the answer fails
+   (`grading.examples`, in the jail). The answers are kept in the work folder as they come, so a stopped run
+   does not ask again.
 3. **Split** by a hash of each conversation: `heldout_share` of them decide when training stops and whether the
    adapter is deployed, and are never trained on.
 4. **Train** (`engines.lora.train`) on the small tier's float checkpoint, resumable in the work folder
@@ -98,16 +100,27 @@ def _key(conversation: Sequence[dict]) -> str:
     return hashlib.sha256(json.dumps(list(conversation), sort_keys=True).encode()).hexdigest()
 
 
-def _greedy(engine: Engine, prompts: list[list[int]], max_tokens: int, adapter: str | None = None) -> list[list[int]]:
-    """Each prompt's greedy answer (token ids, the end-of-turn token included), batched on the engine."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    out: dict[str, list[int]] = {}
-    for i, ids in enumerate(prompts):
-        engine.add_request(EngineRequest(f"distill-{adapter}-{i}", ids, params, adapter=adapter, cache_salt="distill"))
+Top = tuple[tuple[int, ...], tuple[float, ...]]  # one position's top-k ids and log-probabilities
+
+
+def _greedy(
+    engine: Engine, prompts: list[list[int]], max_tokens: int, adapter: str | None = None, top_k: int = 0
+) -> list[tuple[list[int], list[Top]]]:
+    """Each prompt's greedy answer (token ids, the end-of-turn token included) and, with `top_k`, each position's
+    top-k next tokens as the engine computed them while choosing; batched on the engine."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=top_k or None)
+    ids: dict[str, list[int]] = {}
+    tops: dict[str, list[Top]] = {}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(EngineRequest(f"distill-{adapter}-{i}", prompt, params, adapter=adapter,
+                                         cache_salt="distill"))  # fmt: skip
     while engine.has_unfinished():
         for o in engine.step():
-            out.setdefault(o.request_id, []).extend(o.new_token_ids)
-    return [out.get(f"distill-{adapter}-{i}", []) for i in range(len(prompts))]
+            ids.setdefault(o.request_id, []).extend(o.new_token_ids)
+            for lp in o.logprobs:
+                tops.setdefault(o.request_id, []).append((tuple(t for t, _ in lp.top), tuple(v for _, v in lp.top)))
+    keys = [f"distill-{adapter}-{i}" for i in range(len(prompts))]
+    return [(ids.get(k, []), tops.get(k, [])) for k in keys]
 
 
 def distill(
@@ -122,12 +135,14 @@ def distill(
     limit: int = 2000,
     heldout_share: float = 0.2,
     max_tokens: int = 512,
+    top_k: int = 8,
     config: TrainConfig | None = None,
     deploy: bool = True,
     load: Callable[[Settings, str], Engine] | None = None,
     say: Callable[[str], None] = print,
 ) -> DistillReport:
-    """Steps 1-6 of the module's docstring for one tenant. `load`: how a tier's engine is loaded (default
+    """Steps 1-6 of the module's docstring for one tenant. `top_k`: the teacher's next-token distributions kept
+    per answer token for logit distillation (0: its answers only). `load`: how a tier's engine is loaded (default
     `gateway.runtime.tiers.load_tier_engine`)."""
     load = load or load_tier_engine
     config = config or TrainConfig()
@@ -135,15 +150,15 @@ def distill(
     _check(settings, PolicyStore(db), tenant_id, tenant, small, large)
     work = settings.home_dir / "distill" / f"t{tenant_id}" / name
     work.mkdir(parents=True, exist_ok=True)
-    train, heldout = _examples(settings, db, tenant_id, large, limit, heldout_share, max_tokens, work, report, load,
-                               say)  # fmt: skip
+    train, heldout = _examples(settings, db, tenant_id, large, limit, heldout_share, (max_tokens, top_k), work,
+                               report, load, say)  # fmt: skip
     say(f"distilling {small} for {tenant}: {len(train)} examples, {len(heldout)} held out, "
         f"{report.data['rejected']} rejected answers, {report.data['skipped']} tool-loop prompts left out")  # fmt: skip
     tier = settings.tiers[small]
     float_dir = registry_model_dir(settings.home_dir, tier.model) if tier.is_registry_model else None
     started = time.monotonic()
-    result = train_adapter(float_dir or settings.model_dir(tier), [Example(p, a) for _, p, a, _ in train],
-                           [Example(p, a) for _, p, a, _ in heldout], work / "train", config, say=say)  # fmt: skip
+    result = train_adapter(float_dir or settings.model_dir(tier), [Example(p, a, top) for _, p, a, _, top in train],
+                           [Example(p, a) for _, p, a, _, _ in heldout], work / "train", config, say=say)  # fmt: skip
     seconds = time.monotonic() - started
     pace = seconds / max(1, (result.steps - result.resumed_from) * config.accumulate) * 1000
     report.training = {"train_seconds": round(seconds, 1), "seconds_per_1000_examples": round(pace, 1),
@@ -169,7 +184,7 @@ def distill(
     return report
 
 
-Kept = tuple[list[dict], list[int], list[int], str]  # (conversation, prompt ids, answer ids, answer text)
+Kept = tuple[list[dict], list[int], list[int], str, tuple[Top, ...]]  # conversation, prompt, answer ids, text, top-k
 
 
 def _check(settings: Settings, policies: PolicyStore, tenant_id: int, tenant: str, small: str, large: str) -> None:
@@ -190,7 +205,7 @@ def _examples(
     large: str,
     limit: int,
     heldout_share: float,
-    max_tokens: int,
+    limits: tuple[int, int],
     work: Path,
     report: DistillReport,
     load: Callable[[Settings, str], Engine],
@@ -203,15 +218,15 @@ def _examples(
     if len(plain) < 10:
         raise DistillError(f"{len(plain)} stored text prompts; at least 10 are needed")
     teacher = load(settings, large)
-    answers = _teacher_answers(teacher, plain, work / "teacher.jsonl", max_tokens, say)
+    answers = _teacher_answers(teacher, plain, work / "teacher.jsonl", limits, say)
     kept: list[Kept] = []
     for conversation in plain:
-        ids, text = answers[_key(conversation)]
+        ids, text, top = answers[_key(conversation)]
         user = "\n".join(m["content"] for m in conversation if m["role"] == "user")
         if passes_prompt_examples(user, text) is False:
             report.data["rejected"] += 1
             continue
-        kept.append((conversation, teacher.tokenizer.encode_chat(conversation), ids, text))
+        kept.append((conversation, teacher.tokenizer.encode_chat(conversation), ids, text, top))
     heldout = [k for k in kept if int(_key(k[0])[:8], 16) / 0xFFFFFFFF < heldout_share]
     train = [k for k in kept if int(_key(k[0])[:8], 16) / 0xFFFFFFFF >= heldout_share]
     report.data |= {"examples": len(train), "heldout": len(heldout)}
@@ -223,11 +238,11 @@ def _examples(
 def _gate(student: Engine, adapter: LoraAdapter, heldout: list[Kept], max_tokens: int, report: DistillReport) -> None:
     """Step 5: the held-out prompts' agreement with the teacher, with the adapter and without."""
     student.load_adapter("distill-candidate", adapter)
-    prompts = [p for _, p, _, _ in heldout]
+    prompts = [p for _, p, _, _, _ in heldout]
     decode = student.tokenizer.decode
 
     def agreement(answers: list[list[int]]) -> float:
-        hits = sum(agrees(c, decode(a), t) for (c, _, _, t), a in zip(heldout, answers, strict=True))
+        hits = sum(agrees(c, decode(a), t) for (c, _, _, t, _), (a, _) in zip(heldout, answers, strict=True))
         return round(hits / len(heldout), 4)
 
     report.base_agreement = agreement(_greedy(student, prompts, max_tokens))
@@ -235,14 +250,15 @@ def _gate(student: Engine, adapter: LoraAdapter, heldout: list[Kept], max_tokens
 
 
 def _teacher_answers(
-    engine: Engine, conversations: list[list[dict]], path: Path, max_tokens: int, say: Callable[[str], None]
-) -> dict[str, tuple[list[int], str]]:
-    """conversation key → (answer ids, text), asked in batches of 16 and appended to `path` as they come."""
-    done: dict[str, tuple[list[int], str]] = {}
+    engine: Engine, conversations: list[list[dict]], path: Path, limits: tuple[int, int], say: Callable[[str], None]
+) -> dict[str, tuple[list[int], str, tuple[Top, ...]]]:
+    """conversation key → (answer ids, text, top-k per position), asked in batches of 16 and appended to `path` as
+    they come. `limits`: (max tokens, top-k)."""
+    done: dict[str, tuple[list[int], str, tuple[Top, ...]]] = {}
     if path.exists():
         for line in path.read_text().splitlines():
             row = json.loads(line)
-            done[row["key"]] = (row["ids"], row["text"])
+            done[row["key"]] = (row["ids"], row["text"], tuple((tuple(i), tuple(v)) for i, v in row["top"]))
     todo = [c for c in conversations if _key(c) not in done]
     if done:
         say(f"  {len(done)} teacher answers kept from before, {len(todo)} to ask")
@@ -250,11 +266,12 @@ def _teacher_answers(
     with path.open("a") as out:
         for i in range(0, len(todo), 16):
             batch = todo[i : i + 16]
-            ids = _greedy(engine, [engine.tokenizer.encode_chat(c) for c in batch], max_tokens)
-            for conversation, answer in zip(batch, ids, strict=True):
+            max_tokens, top_k = limits
+            answers = _greedy(engine, [engine.tokenizer.encode_chat(c) for c in batch], max_tokens, top_k=top_k)
+            for conversation, (answer, top) in zip(batch, answers, strict=True):
                 text = engine.tokenizer.decode(answer)
-                done[_key(conversation)] = (answer, text)
-                out.write(json.dumps({"key": _key(conversation), "ids": answer, "text": text}) + "\n")
+                done[_key(conversation)] = (answer, text, tuple(top))
+                out.write(json.dumps({"key": _key(conversation), "ids": answer, "text": text, "top": top}) + "\n")
             out.flush()
             say(f"  teacher: {min(i + 16, len(todo))}/{len(todo)} answers, {time.monotonic() - started:.0f} s")
     return done

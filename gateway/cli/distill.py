@@ -25,6 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int, default=2000, help="the tenant's newest stored prompts read")
     p.add_argument("--heldout", type=float, default=0.2, help="the share held out to decide stopping and deploying")
     p.add_argument("--max-tokens", type=int, default=512, help="longest teacher (and held-out) answer")
+    p.add_argument("--top-k", type=int, default=8, help="the teacher's next-token distributions kept (0: answers only)")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--learning-rate", type=float, default=2e-4)
@@ -42,8 +43,10 @@ def _distill(args: argparse.Namespace) -> int:
     tenant = tenant_by_name(db, args.tenant)
     if tenant is None:
         raise Failure(f"no tenant named {args.tenant!r}")
-    if not 0 < args.heldout < 1 or args.limit < 10 or args.epochs < 1 or args.rank < 1:
-        raise Failure("--heldout is a share in (0, 1); --limit at least 10; --epochs and --rank at least 1")
+    if not 0 < args.heldout < 1 or args.limit < 10 or args.epochs < 1 or args.rank < 1 or not 0 <= args.top_k <= 20:
+        raise Failure(
+            "--heldout is a share in (0, 1); --limit at least 10; --epochs and --rank at least 1; --top-k 0 to 20"
+        )
     config = TrainConfig(rank=args.rank, alpha=2 * args.rank, epochs=args.epochs, learning_rate=args.learning_rate)
 
     def say(line: str) -> None:
@@ -51,7 +54,8 @@ def _distill(args: argparse.Namespace) -> int:
 
     try:
         report = distill(settings, db, tenant.id, tenant.name, name=args.name, small=args.small, large=args.large,
-                         limit=args.limit, heldout_share=args.heldout, max_tokens=args.max_tokens, config=config,
+                         limit=args.limit, heldout_share=args.heldout, max_tokens=args.max_tokens, top_k=args.top_k,
+                         config=config,
                          deploy=not args.no_deploy, say=say)  # fmt: skip
     except DistillError as exc:
         raise Failure(str(exc)) from None

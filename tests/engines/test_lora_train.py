@@ -105,3 +105,41 @@ def test_a_checkpoint_of_other_data_is_refused(tmp_path: Path) -> None:
     assert stopped.steps == 2 and (tmp_path / "out" / CHECKPOINT).exists()
     with pytest.raises(ValueError, match="another run's"):
         train_adapter(base, data[1:], data[:1], tmp_path / "out", SLOW, say=lambda _: None)
+
+
+def first_token_top(engine: Engine, prompt: list[int], adapter: str) -> dict[int, float]:
+    """The first answer token's top-5 probabilities on our engine under `adapter`."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=5)
+    engine.add_request(EngineRequest(f"top-{adapter}", prompt, params, adapter=adapter))
+    tops: dict[int, float] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            for lp in out.logprobs:
+                tops = {t: float(torch.tensor(v).exp()) for t, v in lp.top}
+    return tops
+
+
+def test_the_teachers_top_k_teaches_its_distribution_not_only_its_choice(tmp_path: Path) -> None:
+    """The teacher puts 0.7 on the answer's token and 0.3 on another at every position: trained on its top-2
+    (KL only), the student raises both, in about the teacher's odds; trained on the answers alone, only the choice.
+    (A tiny random model's head spreads its mass over the whole vocabulary, so the odds are what is compared.)"""
+    base = tiny_hf_model("qwen2", tmp_path / "base")
+    alt = [t + 20 for t in ANSWER]
+    odds = (float(torch.tensor(0.7).log()), float(torch.tensor(0.3).log()))
+    top = tuple(((a, b), odds) for a, b in zip(ANSWER, alt, strict=True))
+    data = [Example(e.prompt, e.answer, top) for e in examples()]
+    ce_only = TrainConfig(rank=8, alpha=16, learning_rate=5e-3, epochs=8, accumulate=2, warmup_steps=2, patience=9,
+                          top_weight=0.0)  # fmt: skip
+    kl_only = TrainConfig(rank=8, alpha=16, learning_rate=5e-3, epochs=8, accumulate=2, warmup_steps=2, patience=9,
+                          top_weight=1.0)  # fmt: skip
+    ce = train_adapter(base, data[:10], data[10:], tmp_path / "ce", ce_only, say=lambda _: None)
+    kl = train_adapter(base, data[:10], data[10:], tmp_path / "kl", kl_only, say=lambda _: None)
+    engine = Engine.from_dir(base, dtype="fp32")
+    engine.load_adapter("ce", ce.adapter)
+    engine.load_adapter("kl", kl.adapter)
+    unseen = data[11].prompt
+    by_ce, by_kl = first_token_top(engine, unseen, "ce"), first_token_top(engine, unseen, "kl")
+    assert max(by_kl, key=by_kl.get) == ANSWER[0] and max(by_ce, key=by_ce.get) == ANSWER[0]
+    odds_kl = by_kl.get(alt[0], 0.0) / by_kl[ANSWER[0]]
+    odds_ce = by_ce.get(alt[0], 0.0) / by_ce[ANSWER[0]]
+    assert 0.2 < odds_kl < 1.0 and odds_ce < odds_kl / 2, (by_kl, by_ce)  # the teacher's odds: 0.3 / 0.7 = 0.43

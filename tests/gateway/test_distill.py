@@ -9,6 +9,7 @@ prompt, so it agrees with the teacher on none of the held-out prompts before and
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -98,6 +99,8 @@ def test_a_tenants_distilled_adapter_learns_the_teachers_answers_and_is_deployed
     assert other is not None and AdapterStore(db, settings.home_dir).list(other.id) == []
     teacher_log = (settings.home_dir / "distill" / f"t{acme.id}" / "geo" / "teacher.jsonl").read_text()
     assert "secret" not in teacher_log and teacher_log.count("\n") == 30
+    first = json.loads(teacher_log.splitlines()[0])  # the teacher's top-8 at each answer token: logit distillation
+    assert len(first["top"]) == len(first["ids"]) == 4 and all(len(ids) == 8 for ids, _ in first["top"])
     # Run again: the teacher's answers and the finished training are reused.
     again = distill(settings, db, acme.id, "acme", name="geo", limit=100, max_tokens=4, config=config,
                     say=said.append, deploy=False)  # fmt: skip
