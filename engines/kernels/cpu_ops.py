@@ -109,8 +109,9 @@ def paged_attention(
 
 @dataclass(frozen=True)
 class LoraPlan:
-    """`lora_add`'s arguments that stay fixed for one layer and one set of adapters: per adapter its A (rank × in,
-    fp32) and per part it trains (first output column, first column of t, rank, Bᵀ as rank × columns, fp32)."""
+    """`lora_add`'s arguments that stay fixed for one layer and one set of adapters: per adapter its A (rank × in)
+    and per part it trains (first output column, first column of t, rank, Bᵀ as rank × columns), all in one dtype:
+    fp32, or bf16 (a bf16 model's adapters, as loaded: half the bytes)."""
 
     keep: tuple[torch.Tensor, ...]  # what the pointers point into
     a: ctypes.Array
@@ -124,6 +125,7 @@ class LoraPlan:
     n_parts: int
     max_rank: int
     in_features: int
+    bf16: bool  # the weights' storage (else fp32); the arithmetic is fp32 either way
 
 
 def lora_plan(
@@ -132,17 +134,19 @@ def lora_plan(
     """One group per adapter, in the step's order; None: this layer holds none of that adapter (rank 0)."""
     keep: list[torch.Tensor] = []
     a, ranks, groups, rows, cols, firsts, part_ranks, bts = [], [], [], [], [], [], [], []
+    dtypes = {adapter[0].dtype for adapter in adapters if adapter is not None}
+    assert len(dtypes) == 1 and dtypes <= {torch.float32, torch.bfloat16}, dtypes
     for g, adapter in enumerate(adapters):
         if adapter is None:
             a.append(None), ranks.append(0)
             continue
         weights, parts = adapter
-        assert weights.dtype == torch.float32 and weights.is_contiguous() and weights.shape[1] == in_features
+        assert weights.is_contiguous() and weights.shape[1] == in_features
         keep.append(weights)
         a.append(weights.data_ptr())
         ranks.append(weights.shape[0])
         for row, col, rank, bt in parts:
-            assert bt.dtype == torch.float32 and bt.is_contiguous() and bt.shape[0] == rank
+            assert bt.dtype == weights.dtype and bt.is_contiguous() and bt.shape[0] == rank
             keep.append(bt)
             groups.append(g), rows.append(row), cols.append(bt.shape[1]), firsts.append(col), part_ranks.append(rank)
             bts.append(bt.data_ptr())
@@ -154,7 +158,8 @@ def lora_plan(
         return (ctypes.c_void_p * max(1, len(values)))(*values)
 
     return LoraPlan(tuple(keep), pointers(a), ints(ranks), ints(groups), ints(rows), ints(cols), ints(firsts),
-                    ints(part_ranks), pointers(bts), len(groups), max(1, *ranks), in_features)  # fmt: skip
+                    ints(part_ranks), pointers(bts), len(groups), max(1, *ranks), in_features,
+                    dtypes == {torch.bfloat16})  # fmt: skip
 
 
 def lora_groups(rows: list[torch.Tensor]) -> tuple[torch.Tensor, ctypes.Array]:
@@ -176,5 +181,5 @@ def lora_add(x: torch.Tensor, out: torch.Tensor, plan: LoraPlan, rows: list[torc
     lib.sb_lora_add(
         x.data_ptr(), _bf16(x), x.shape[1], x.stride(0), out.data_ptr(), _bf16(out), out.stride(0), len(rows),
         flat.data_ptr(), starts, plan.a, plan.ranks, plan.n_parts, plan.part_group, plan.part_row, plan.part_cols,
-        plan.part_col, plan.part_rank, plan.bt, t.data_ptr(), xf.data_ptr(), plan.max_rank,
+        plan.part_col, plan.part_rank, plan.bt, t.data_ptr(), xf.data_ptr(), plan.max_rank, int(plan.bf16),
     )  # fmt: skip

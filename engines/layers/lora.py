@@ -148,7 +148,10 @@ class LayerAdapters:
     def set(self, name: str, weights: LoraWeights) -> None:
         self.weights[name] = weights
         cpu, native = weights.a.device.type == "cpu", _native(weights.a.device)
-        dtype = torch.float32 if cpu else weights.a.dtype
+        # Our kernel reads the weights as loaded (bf16 for a bf16 model: half the bytes) and computes in fp32;
+        # torch's products on a CPU run in fp32 copies (its bf16 ones took a slow path here).
+        kept = weights.a.dtype if native and weights.a.dtype in (torch.bfloat16, torch.float32) else torch.float32
+        dtype = kept if cpu else weights.a.dtype
         parts, col = [], 0
         for part in weights.parts:
             rank = part.b.shape[1]

@@ -55,8 +55,8 @@ class _Model(ctypes.Structure):
 
 class _LoraLinear(ctypes.Structure):
     _fields_ = [
-        ("a", _p), ("ranks", _p), ("n_parts", _i), ("max_rank", _i), ("part_group", _p), ("part_row", _p),
-        ("part_cols", _p), ("part_col", _p), ("part_rank", _p), ("bt", _p),
+        ("a", _p), ("ranks", _p), ("n_parts", _i), ("max_rank", _i), ("w_bf16", _i), ("part_group", _p),
+        ("part_row", _p), ("part_cols", _p), ("part_col", _p), ("part_rank", _p), ("bt", _p),
     ]  # fmt: skip
 
 
@@ -72,7 +72,7 @@ def _lora_linear(p: cpu_ops.LoraPlan) -> _LoraLinear:
     """A linear layer's `LoraPlan` as decoder.cpp's `LoraLinear`."""
     a, ranks = (ctypes.cast(x, _p) for x in (p.a, p.ranks))
     parts = (ctypes.cast(x, _p) for x in (p.part_group, p.part_row, p.part_cols, p.part_col, p.part_rank, p.bt))
-    return _LoraLinear(a, ranks, p.n_parts, p.max_rank, *parts)
+    return _LoraLinear(a, ranks, p.n_parts, p.max_rank, int(p.bf16), *parts)
 
 
 def enabled() -> bool:

@@ -24,9 +24,9 @@ void sb_paged_attention(const void* q, long q_stride, void* out, int T, int H, i
                         const int32_t* tables, const int32_t* row_table, const int32_t* row_len, float scale,
                         int bf16, int window);
 void sb_lora_add(const void* x, int x_bf16, int K, long x_stride, void* out, int out_bf16, long out_stride,
-                 int n_groups, const int* group_rows, const int* group_start, const float* const* a, const int* ranks,
+                 int n_groups, const int* group_rows, const int* group_start, const void* const* a, const int* ranks,
                  int n_parts, const int* part_group, const int* part_row, const int* part_cols, const int* part_col,
-                 const int* part_rank, const float* const* bt, float* t, float* xf, int max_rank);
+                 const int* part_rank, const void* const* bt, float* t, float* xf, int max_rank, int w_bf16);
 }
 
 namespace {
@@ -45,15 +45,15 @@ struct Linear {
 
 // One linear layer's LoRA adapters for the step's groups (csrc/lora.cpp's fixed arguments; n_parts 0: none).
 struct LoraLinear {
-    const float* const* a;
+    const void* const* a;
     const int32_t* ranks;
-    int32_t n_parts, max_rank;
+    int32_t n_parts, max_rank, w_bf16;
     const int32_t* part_group;
     const int32_t* part_row;
     const int32_t* part_cols;
     const int32_t* part_col;
     const int32_t* part_rank;
-    const float* const* bt;
+    const void* const* bt;
 };
 
 struct Layer {
@@ -105,7 +105,7 @@ void linear(const Linear& l, const void* x, int M, void* out, const Step& s, con
     if (lora != nullptr && lora->n_parts > 0)
         sb_lora_add(x, 1, l.k, l.k, out, 1, l.n, s.n_groups, s.group_rows, s.group_start, lora->a, lora->ranks,
                     lora->n_parts, lora->part_group, lora->part_row, lora->part_cols, lora->part_col, lora->part_rank,
-                    lora->bt, s.lora_t, s.lora_xf, lora->max_rank);
+                    lora->bt, s.lora_t, s.lora_xf, lora->max_rank, lora->w_bf16);
 }
 
 // PagedKVCache.store for a bf16 cache: each row's k and v heads into its slot.

@@ -1,5 +1,6 @@
 // LoRA deltas of a mixed batch in one call per linear layer (engines/layers/lora.py): each row's adapter's
 // shrink t = x·Aᵀ, then for each part of the layer the adapter trains out[row, part] += t[part's columns]·Bᵀ.
+// The weights stay in the model's dtype (bf16: half the bytes a step reads); the arithmetic is fp32.
 //
 // Every value a row gets is computed by one thread, in one fixed order, from that row's input and its adapter's
 // weights only: the same bits whatever else is in the batch, however many rows share the adapter, however many
@@ -11,6 +12,7 @@
 
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -34,21 +36,30 @@ inline float load(const void* base, int bf16, long i) {
     return bf16 ? bf16_to_f32(static_cast<const uint16_t*>(base)[i]) : static_cast<const float*>(base)[i];
 }
 
+// Eight weights from fp32 or bf16 storage, as fp32 (bf16 widens exactly: its bits are fp32's top half).
+inline __m256 load8w(const void* w, int bf16, long i) {
+    if (bf16) {
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(w) + i));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_loadu_ps(static_cast<const float*>(w) + i);
+}
+
 // Σ x[k]·a[k] over 32 lanes in a fixed order (4 × 8 accumulators, then a fixed tree), then the tail.
-inline float dot(const float* x, const float* a, int K) {
+inline float dot(const float* x, const void* a, int a_bf16, long a0, int K) {
     __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();
     int k = 0;
     for (; k + 32 <= K; k += 32) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), _mm256_loadu_ps(a + k), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), _mm256_loadu_ps(a + k + 8), s1);
-        s2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 16), _mm256_loadu_ps(a + k + 16), s2);
-        s3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 24), _mm256_loadu_ps(a + k + 24), s3);
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), load8w(a, a_bf16, a0 + k), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), load8w(a, a_bf16, a0 + k + 8), s1);
+        s2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 16), load8w(a, a_bf16, a0 + k + 16), s2);
+        s3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 24), load8w(a, a_bf16, a0 + k + 24), s3);
     }
     const __m256 s = _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3));
     alignas(32) float lanes[8];
     _mm256_store_ps(lanes, s);
     float total = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
-    for (; k < K; ++k) total += x[k] * a[k];
+    for (; k < K; ++k) total += x[k] * load(a, a_bf16, a0 + k);
     return total;
 }
 
@@ -61,12 +72,13 @@ extern "C" {
 // x: rows of K (bf16 or fp32) at x + m·x_stride; out: rows at out + m·out_stride. Groups (one per adapter):
 // group_rows[group_start[g] .. group_start[g+1]) are its rows, a[g] its A (ranks[g] × K, fp32; rank 0: none). Parts: part p
 // adds to output columns [part_row[p], + part_cols[p]) of group part_group[p]'s rows, from t's columns
-// [part_col[p], + part_rank[p]), with bt[p] its Bᵀ (part_rank[p] × part_cols[p], fp32). t: scratch of
+// [part_col[p], + part_rank[p]), with bt[p] its Bᵀ (part_rank[p] × part_cols[p]; A and B in fp32, or bf16 where
+// w_bf16, widened exactly). t: scratch of
 // (group_start[n_groups] × max_rank) floats; xf: scratch of (group_start[n_groups] × K) floats.
 void sb_lora_add(const void* x, int x_bf16, int K, long x_stride, void* out, int out_bf16, long out_stride,
-                 int n_groups, const int* group_rows, const int* group_start, const float* const* a, const int* ranks,
+                 int n_groups, const int* group_rows, const int* group_start, const void* const* a, const int* ranks,
                  int n_parts, const int* part_group, const int* part_row, const int* part_cols, const int* part_col,
-                 const int* part_rank, const float* const* bt, float* t, float* xf, int max_rank) {
+                 const int* part_rank, const void* const* bt, float* t, float* xf, int max_rank, int w_bf16) {
     const int total = group_start[n_groups];
 #pragma omp parallel for schedule(static)
     for (int i = 0; i < total; ++i) {  // phase 1: each gathered row's t, from its own fp32 copy of x
@@ -76,7 +88,8 @@ void sb_lora_add(const void* x, int x_bf16, int K, long x_stride, void* out, int
         const long m = group_rows[i];
         float* row = xf + static_cast<long>(i) * K;
         for (int k = 0; k < K; ++k) row[k] = load(x, x_bf16, m * x_stride + k);
-        for (int j = 0; j < ranks[g]; ++j) t[static_cast<long>(i) * max_rank + j] = dot(row, a[g] + static_cast<long>(j) * K, K);
+        for (int j = 0; j < ranks[g]; ++j)
+            t[static_cast<long>(i) * max_rank + j] = dot(row, a[g], w_bf16, static_cast<long>(j) * K, K);
     }
     int items = 0;
     for (int p = 0; p < n_parts; ++p) items += (part_cols[p] + BLOCK - 1) / BLOCK;
@@ -86,14 +99,24 @@ void sb_lora_add(const void* x, int x_bf16, int K, long x_stride, void* out, int
         while (first >= (part_cols[p] + BLOCK - 1) / BLOCK) first -= (part_cols[p++] + BLOCK - 1) / BLOCK;
         const int c0 = first * BLOCK, width = part_cols[p] - c0 < BLOCK ? part_cols[p] - c0 : BLOCK;
         const int g = part_group[p], rank = part_rank[p];
-        const float* b = bt[p];
+        const void* b = bt[p];
         for (int i = group_start[g]; i < group_start[g + 1]; ++i) {
             alignas(32) float acc[BLOCK] = {};
             const float* ti = t + static_cast<long>(i) * max_rank + part_col[p];
-            for (int j = 0; j < rank; ++j) {  // j ascending: every column sums its rank terms in one order
-                const float tj = ti[j];
-                const float* bj = b + static_cast<long>(j) * part_cols[p] + c0;
-                for (int c = 0; c < width; ++c) acc[c] += tj * bj[c];
+            if (width == BLOCK) {  // eight lanes of eight columns in registers; j ascending: one order per column
+                __m256 v[BLOCK / 8];
+                for (int l = 0; l < BLOCK / 8; ++l) v[l] = _mm256_setzero_ps();
+                for (int j = 0; j < rank; ++j) {
+                    const __m256 tj = _mm256_set1_ps(ti[j]);
+                    const long bj = static_cast<long>(j) * part_cols[p] + c0;
+                    for (int l = 0; l < BLOCK / 8; ++l) v[l] = _mm256_fmadd_ps(tj, load8w(b, w_bf16, bj + 8 * l), v[l]);
+                }
+                for (int l = 0; l < BLOCK / 8; ++l) _mm256_store_ps(acc + 8 * l, v[l]);
+            } else {
+                for (int j = 0; j < rank; ++j) {
+                    const long bj = static_cast<long>(j) * part_cols[p] + c0;
+                    for (int c = 0; c < width; ++c) acc[c] = std::fma(ti[j], load(b, w_bf16, bj + c), acc[c]);
+                }
             }
             const long base = static_cast<long>(group_rows[i]) * out_stride + part_row[p] + c0;
             if (out_bf16) {
