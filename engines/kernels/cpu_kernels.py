@@ -180,7 +180,7 @@ def build_of(variant: str) -> ctypes.CDLL | None:
         fn.restype = None
     lib.sb_decoder.argtypes = [p, p, p, p]
     lib.sb_decoder.restype = ctypes.c_int
-    lib.sb_lora_add.argtypes = [p, i, i, long, p, i, long, i, p, p, p, p, i, p, p, p, p, p, p, p, p, i, i]
+    lib.sb_lora_add.argtypes = [p, i, i, long, p, i, long, i, p, p, p, p, i, p, p, p, p, p, p, p, i, i]
     lib.sb_lora_add.restype = None
     return lib
 

@@ -177,9 +177,8 @@ def lora_add(x: torch.Tensor, out: torch.Tensor, plan: LoraPlan, rows: list[torc
     assert lib is not None and x.stride(-1) == 1 and out.stride(-1) == 1 and x.shape[1] == plan.in_features
     flat, starts = lora_groups(rows)
     t = torch.empty(flat.numel(), plan.max_rank)
-    xf = torch.empty(flat.numel(), x.shape[1])
     lib.sb_lora_add(
         x.data_ptr(), _bf16(x), x.shape[1], x.stride(0), out.data_ptr(), _bf16(out), out.stride(0), len(rows),
         flat.data_ptr(), starts, plan.a, plan.ranks, plan.n_parts, plan.part_group, plan.part_row, plan.part_cols,
-        plan.part_col, plan.part_rank, plan.bt, t.data_ptr(), xf.data_ptr(), plan.max_rank, int(plan.bf16),
+        plan.part_col, plan.part_rank, plan.bt, t.data_ptr(), plan.max_rank, int(plan.bf16),
     )  # fmt: skip

@@ -64,7 +64,7 @@ class _Step(ctypes.Structure):
     _fields_ = [
         ("rows", _i), ("slots", _p), ("cos", _p), ("sin", _p), ("tables", _p), ("row_table", _p), ("row_len", _p),
         ("normed", _p), ("out_a", _p), ("out_b", _p), ("qkv", _p), ("attn", _p), ("gate_up", _p), ("act", _p),
-        ("lora", _p), ("n_groups", _i), ("group_rows", _p), ("group_start", _p), ("lora_t", _p), ("lora_xf", _p),
+        ("lora", _p), ("n_groups", _i), ("group_rows", _p), ("group_start", _p), ("lora_t", _p),
     ]  # fmt: skip
 
 
@@ -200,9 +200,9 @@ class NativeDecoder:
         if lora is not None and lora.names:
             args, max_rank = self._lora(lora)
             flat, starts = cpu_ops.lora_groups(list(lora.rows))
-            scratch = (torch.empty(flat.numel(), max_rank), torch.empty(flat.numel(), max(m.hidden, m.inter)))
+            scratch = torch.empty(flat.numel(), max_rank)
             step.lora, step.n_groups = ctypes.cast(args, _p), len(lora.names)
             step.group_rows, step.group_start = flat.data_ptr(), ctypes.cast(starts, _p)
-            step.lora_t, step.lora_xf = scratch[0].data_ptr(), scratch[1].data_ptr()
+            step.lora_t = scratch.data_ptr()
         last = lib.sb_decoder(ctypes.byref(m), self.layers, ctypes.byref(step), hidden.data_ptr())
         return out[last], hidden

@@ -26,7 +26,7 @@ void sb_paged_attention(const void* q, long q_stride, void* out, int T, int H, i
 void sb_lora_add(const void* x, int x_bf16, int K, long x_stride, void* out, int out_bf16, long out_stride,
                  int n_groups, const int* group_rows, const int* group_start, const void* const* a, const int* ranks,
                  int n_parts, const int* part_group, const int* part_row, const int* part_cols, const int* part_col,
-                 const int* part_rank, const void* const* bt, float* t, float* xf, int max_rank, int w_bf16);
+                 const int* part_rank, const void* const* bt, float* t, int max_rank, int w_bf16);
 }
 
 namespace {
@@ -91,7 +91,6 @@ struct Step {
     const int32_t* group_rows;
     const int32_t* group_start;
     float* lora_t;
-    float* lora_xf;
 };
 
 // The base product, then (where the step has adapters on this layer) each row's adapter's delta, as the Python
@@ -105,7 +104,7 @@ void linear(const Linear& l, const void* x, int M, void* out, const Step& s, con
     if (lora != nullptr && lora->n_parts > 0)
         sb_lora_add(x, 1, l.k, l.k, out, 1, l.n, s.n_groups, s.group_rows, s.group_start, lora->a, lora->ranks,
                     lora->n_parts, lora->part_group, lora->part_row, lora->part_cols, lora->part_col, lora->part_rank,
-                    lora->bt, s.lora_t, s.lora_xf, lora->max_rank, lora->w_bf16);
+                    lora->bt, s.lora_t, lora->max_rank, lora->w_bf16);
 }
 
 // PagedKVCache.store for a bf16 cache: each row's k and v heads into its slot.

@@ -45,22 +45,34 @@ inline __m256 load8w(const void* w, int bf16, long i) {
     return _mm256_loadu_ps(static_cast<const float*>(w) + i);
 }
 
-// Σ x[k]·a[k] over 32 lanes in a fixed order (4 × 8 accumulators, then a fixed tree), then the tail.
-inline float dot(const float* x, const void* a, int a_bf16, long a0, int K) {
+// Σ x[k]·a[k] over 32 lanes in a fixed order (4 × 8 accumulators, then a fixed tree), then the tail; x and a
+// each fp32 or bf16 (widened exactly).
+inline float dot(const void* x, int x_bf16, long x0, const void* a, int a_bf16, long a0, int K) {
     __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();
     int k = 0;
     for (; k + 32 <= K; k += 32) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), load8w(a, a_bf16, a0 + k), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), load8w(a, a_bf16, a0 + k + 8), s1);
-        s2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 16), load8w(a, a_bf16, a0 + k + 16), s2);
-        s3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 24), load8w(a, a_bf16, a0 + k + 24), s3);
+        s0 = _mm256_fmadd_ps(load8w(x, x_bf16, x0 + k), load8w(a, a_bf16, a0 + k), s0);
+        s1 = _mm256_fmadd_ps(load8w(x, x_bf16, x0 + k + 8), load8w(a, a_bf16, a0 + k + 8), s1);
+        s2 = _mm256_fmadd_ps(load8w(x, x_bf16, x0 + k + 16), load8w(a, a_bf16, a0 + k + 16), s2);
+        s3 = _mm256_fmadd_ps(load8w(x, x_bf16, x0 + k + 24), load8w(a, a_bf16, a0 + k + 24), s3);
     }
     const __m256 s = _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3));
     alignas(32) float lanes[8];
     _mm256_store_ps(lanes, s);
     float total = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
-    for (; k < K; ++k) total += x[k] * load(a, a_bf16, a0 + k);
+    for (; k < K; ++k) total += load(x, x_bf16, x0 + k) * load(a, a_bf16, a0 + k);
     return total;
+}
+
+// out[0..8) (bf16) = round(out + v), to nearest even as f32_to_bf16 does, eight at once.
+inline void add_store8_bf16(uint16_t* out, __m256 v) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(out));
+    const __m256 sum = _mm256_add_ps(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)), v);
+    __m256i u = _mm256_castps_si256(sum);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd)), 16);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(u, u), 0x08);  // lanes 0 and 2: 8 × u16
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(packed));
 }
 
 constexpr int BLOCK = 64;  // output columns per work item of phase 2
@@ -74,22 +86,20 @@ extern "C" {
 // adds to output columns [part_row[p], + part_cols[p]) of group part_group[p]'s rows, from t's columns
 // [part_col[p], + part_rank[p]), with bt[p] its Bᵀ (part_rank[p] × part_cols[p]; A and B in fp32, or bf16 where
 // w_bf16, widened exactly). t: scratch of
-// (group_start[n_groups] × max_rank) floats; xf: scratch of (group_start[n_groups] × K) floats.
+// (group_start[n_groups] × max_rank) floats.
 void sb_lora_add(const void* x, int x_bf16, int K, long x_stride, void* out, int out_bf16, long out_stride,
                  int n_groups, const int* group_rows, const int* group_start, const void* const* a, const int* ranks,
                  int n_parts, const int* part_group, const int* part_row, const int* part_cols, const int* part_col,
-                 const int* part_rank, const void* const* bt, float* t, float* xf, int max_rank, int w_bf16) {
-    const int total = group_start[n_groups];
+                 const int* part_rank, const void* const* bt, float* t, int max_rank, int w_bf16) {
+    int pairs = 0;  // (group, rank row): phase 1 reads each row of A once for all of its group's rows
+    for (int g = 0; g < n_groups; ++g) pairs += ranks[g];
 #pragma omp parallel for schedule(static)
-    for (int i = 0; i < total; ++i) {  // phase 1: each gathered row's t, from its own fp32 copy of x
-        int g = 0;
-        while (group_start[g + 1] <= i) ++g;
-        if (ranks[g] == 0) continue;  // this layer holds no adapter of that group's
-        const long m = group_rows[i];
-        float* row = xf + static_cast<long>(i) * K;
-        for (int k = 0; k < K; ++k) row[k] = load(x, x_bf16, m * x_stride + k);
-        for (int j = 0; j < ranks[g]; ++j)
-            t[static_cast<long>(i) * max_rank + j] = dot(row, a[g], w_bf16, static_cast<long>(j) * K, K);
+    for (int w = 0; w < pairs; ++w) {
+        int g = 0, j = w;
+        while (j >= ranks[g]) j -= ranks[g++];
+        for (int i = group_start[g]; i < group_start[g + 1]; ++i)
+            t[static_cast<long>(i) * max_rank + j] =
+                dot(x, x_bf16, group_rows[i] * x_stride, a[g], w_bf16, static_cast<long>(j) * K, K);
     }
     int items = 0;
     for (int p = 0; p < n_parts; ++p) items += (part_cols[p] + BLOCK - 1) / BLOCK;
@@ -111,7 +121,16 @@ void sb_lora_add(const void* x, int x_bf16, int K, long x_stride, void* out, int
                     const long bj = static_cast<long>(j) * part_cols[p] + c0;
                     for (int l = 0; l < BLOCK / 8; ++l) v[l] = _mm256_fmadd_ps(tj, load8w(b, w_bf16, bj + 8 * l), v[l]);
                 }
-                for (int l = 0; l < BLOCK / 8; ++l) _mm256_store_ps(acc + 8 * l, v[l]);
+                const long base = static_cast<long>(group_rows[i]) * out_stride + part_row[p] + c0;
+                for (int l = 0; l < BLOCK / 8; ++l) {
+                    if (out_bf16) {
+                        add_store8_bf16(static_cast<uint16_t*>(out) + base + 8 * l, v[l]);
+                    } else {
+                        float* o = static_cast<float*>(out) + base + 8 * l;
+                        _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), v[l]));
+                    }
+                }
+                continue;
             } else {
                 for (int j = 0; j < rank; ++j) {
                     const long bj = static_cast<long>(j) * part_cols[p] + c0;
