@@ -27,12 +27,12 @@ import torch
 
 from bench.common import THREADS, say
 from engines.engine import Engine
+from engines.lora.adapter import PROJECTIONS
 from engines.request import EngineRequest
 from engines.sampling import SamplingParams
 
 PROMPT_TOKENS = 64
 RANK = 16
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def make_adapters(model_dir: Path, out: Path, n: int) -> list[Path]:
@@ -46,7 +46,7 @@ def make_adapters(model_dir: Path, out: Path, n: int) -> list[Path]:
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     for i, path in enumerate(paths):
         torch.manual_seed(i)
-        config = peft.LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=TARGETS, init_lora_weights=False)
+        config = peft.LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=list(PROJECTIONS), init_lora_weights=False)
         model = peft.get_peft_model(base, config)
         with torch.no_grad():  # PEFT's random B moves the logits by tens; a trained adapter's delta is small
             for name, param in model.named_parameters():

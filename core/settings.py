@@ -234,6 +234,11 @@ class Settings(BaseSettings):
             return gguf_model_dir(self.home_dir, Path(tier.model))
         return Path(tier.model).expanduser()
 
+    def float_dir(self, tier: TierSettings) -> Path:
+        """The tier's float checkpoint: a registry model's own download (what its quantized copy, or a remote
+        tier's tokenizer, comes from), else `model_dir`."""
+        return registry_model_dir(self.home_dir, tier.model) if tier.is_registry_model else self.model_dir(tier)
+
     @property
     def max_threads(self) -> int:
         return max((t.threads or os.cpu_count() or 1) for t in self.tiers.values())

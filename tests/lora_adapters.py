@@ -6,7 +6,9 @@ from pathlib import Path
 
 import torch
 
-EVERY = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+from engines.lora.adapter import PROJECTIONS
+
+EVERY = list(PROJECTIONS)  # every projection an adapter may train
 
 
 def make_adapter(

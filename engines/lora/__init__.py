@@ -10,12 +10,21 @@ from typing import TYPE_CHECKING
 from engines import lazy_exports
 
 if TYPE_CHECKING:
-    from engines.lora.adapter import CONFIG, WEIGHTS, AdapterError, LoraAdapter, check_adapter, load_adapter
+    from engines.lora.adapter import (
+        CONFIG,
+        PROJECTIONS,
+        WEIGHTS,
+        AdapterError,
+        LoraAdapter,
+        check_adapter,
+        load_adapter,
+    )
     from engines.lora.registry import DEFAULT_CAPACITY, Adapters
 
 __all__ = [
     "CONFIG",
     "DEFAULT_CAPACITY",
+    "PROJECTIONS",
     "WEIGHTS",
     "AdapterError",
     "Adapters",
@@ -26,6 +35,7 @@ __all__ = [
 
 _EXPORTS = {
     "CONFIG": "adapter",
+    "PROJECTIONS": "adapter",
     "WEIGHTS": "adapter",
     "AdapterError": "adapter",
     "check_adapter": "adapter",

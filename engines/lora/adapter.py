@@ -29,12 +29,14 @@ from engines.layers.lora import LoraPart, LoraWeights
 from engines.models import ModelConfig, build_model
 from engines.models.llama import LlamaForCausalLM
 
-__all__ = ["CONFIG", "WEIGHTS", "AdapterError", "LoraAdapter", "check_adapter", "load_adapter"]
+__all__ = ["CONFIG", "PROJECTIONS", "WEIGHTS", "AdapterError", "LoraAdapter", "check_adapter", "load_adapter"]
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 # base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight → layer 3, self_attn, q_proj, A
 _KEY = re.compile(r"^base_model\.model\.(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.lora_([AB])\.weight$")
-_TARGETS = {"self_attn": {"q_proj", "k_proj", "v_proj", "o_proj"}, "mlp": {"gate_proj", "up_proj", "down_proj"}}
+# The projections an adapter may train, by block: every one is a dense linear layer we serve (fused or not).
+_TARGETS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
+PROJECTIONS = (*_TARGETS["self_attn"], *_TARGETS["mlp"])
 
 
 class AdapterError(ValueError):

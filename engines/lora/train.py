@@ -30,9 +30,10 @@ from pathlib import Path
 
 import torch
 
+from engines.lora.adapter import PROJECTIONS
+
 __all__ = ["Example", "TrainConfig", "TrainResult", "train_adapter"]
 
-EVERY = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CHECKPOINT = "checkpoint.pt"
 
 
@@ -49,7 +50,7 @@ class Example:
 class TrainConfig:
     rank: int = 16
     alpha: int = 32
-    targets: tuple[str, ...] = EVERY
+    targets: tuple[str, ...] = PROJECTIONS  # every one
     learning_rate: float = 2e-4
     epochs: int = 2
     accumulate: int = 4  # examples per optimizer step
@@ -117,7 +118,8 @@ def _heldout_loss(model: torch.nn.Module, heldout: Sequence[Example], max_tokens
     total, tokens = 0.0, 0
     with torch.no_grad():
         for ex in heldout:
-            n = len(_fit(ex, max_tokens)[0]) - _fit(ex, max_tokens)[1]
+            ids, start = _fit(ex, max_tokens)
+            n = len(ids) - start
             total += float(_loss(model, ex, max_tokens)) * n
             tokens += n
     model.train()

@@ -36,7 +36,6 @@ from typing import Any
 
 from core.db.database import Database
 from core.settings import Settings
-from engines.checkpoints.fetch import model_dir as registry_model_dir
 from engines.engine import Engine
 from engines.lora.adapter import LoraAdapter, load_adapter
 from engines.lora.train import Example, TrainConfig, train_adapter
@@ -81,7 +80,7 @@ class DistillReport:
 
 def agrees(conversation: Sequence[dict], student: str, teacher: str) -> bool:
     """Whether the small tier's answer says what the large tier's does (the deploy gate's measure)."""
-    prompt = "\n".join(str(m.get("content", "")) for m in conversation if m.get("role") == "user")
+    prompt = _question(conversation)
     theirs, ours = extract_answer(teacher), extract_answer(student)
     if theirs is not None:
         return ours == theirs
@@ -89,6 +88,11 @@ def agrees(conversation: Sequence[dict], student: str, teacher: str) -> bool:
     if passed is not None:
         return passed
     return " ".join(student.split()).lower() == " ".join(teacher.split()).lower()
+
+
+def _question(conversation: Sequence[dict]) -> str:
+    """What the user asked: its turns' text (what a prompt's own examples are read from)."""
+    return "\n".join(str(m.get("content", "")) for m in conversation if m.get("role") == "user")
 
 
 def _plain(conversation: Sequence[dict]) -> bool:
@@ -154,10 +158,8 @@ def distill(
                                report, load, say)  # fmt: skip
     say(f"distilling {small} for {tenant}: {len(train)} examples, {len(heldout)} held out, "
         f"{report.data['rejected']} rejected answers, {report.data['skipped']} tool-loop prompts left out")  # fmt: skip
-    tier = settings.tiers[small]
-    float_dir = registry_model_dir(settings.home_dir, tier.model) if tier.is_registry_model else None
     started = time.monotonic()
-    result = train_adapter(float_dir or settings.model_dir(tier), [Example(p, a, top) for _, p, a, _, top in train],
+    result = train_adapter(settings.float_dir(settings.tiers[small]), [Example(p, a, top) for _, p, a, _, top in train],
                            [Example(p, a) for _, p, a, _, _ in heldout], work / "train", config, say=say)  # fmt: skip
     seconds = time.monotonic() - started
     pace = seconds / max(1, (result.steps - result.resumed_from) * config.accumulate) * 1000
@@ -222,8 +224,7 @@ def _examples(
     kept: list[Kept] = []
     for conversation in plain:
         ids, text, top = answers[_key(conversation)]
-        user = "\n".join(m["content"] for m in conversation if m["role"] == "user")
-        if passes_prompt_examples(user, text) is False:
+        if passes_prompt_examples(_question(conversation), text) is False:
             report.data["rejected"] += 1
             continue
         kept.append((conversation, teacher.tokenizer.encode_chat(conversation), ids, text, top))

@@ -73,11 +73,17 @@ class AdapterChoice:
                         tier, name)  # fmt: skip
         return record
 
-    async def load(self, engine: TierEngine, record: AdapterRecord) -> str:
-        """The engine's name for `record`, loaded if needed: a 400 on a remote tier, a 503 when it cannot be."""
+    def served(self, engine: TierEngine, record: AdapterRecord) -> str:
+        """The name `engine` serves `record` under (nothing loaded yet); a 400 on a remote tier."""
         if not isinstance(engine, AsyncEngine):
             raise invalid(f"Tier `{record.tier}` is served by a remote server here: it runs no adapters.",
                           param="model", code="unsupported_parameter")  # fmt: skip
+        return record.key
+
+    async def load(self, engine: TierEngine, record: AdapterRecord) -> str:
+        """The engine's name for `record`, loaded if needed: a 400 on a remote tier, a 503 when it cannot be."""
+        self.served(engine, record)
+        assert isinstance(engine, AsyncEngine)
         try:
             return await self.loader.ensure(engine, record)
         except AdapterError as exc:

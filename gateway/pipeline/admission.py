@@ -255,7 +255,7 @@ class Admission:
         if body.n * len(p.prompts) > self.settings.max_n:
             raise invalid(f"at most {self.settings.max_n} choices per request (n × prompts)", param="n")
         request_id = f"{p.id_prefix}-{uuid.uuid4().hex}"
-        adapter = await self.adapters.load(p.engine, p.adapter) if p.adapter is not None else None
+        adapter = self.adapters.served(p.engine, p.adapter) if p.adapter is not None else None
         requests, asked, hooks = self._engine_requests(request_id, principal, policy.policy, body, p, adapter)
         candidates = self.candidates(tier, policy.policy, requests, p.adapter)
         if p.grammar is not None or p.adapter is not None:  # compiled for this engine's vocabulary; its adapter
@@ -278,9 +278,11 @@ class Admission:
             candidates=tuple(candidates),
         )
         try:
+            if p.adapter is not None and cache.answer is None:  # only a request that runs needs it in memory
+                await self.adapters.load(p.engine, p.adapter)
             reservation = await self._reserve(request_id, principal, policy.policy, work, cache)
         except BaseException:
-            if seat.lead is not None:  # refused: its followers run on their own
+            if seat.lead is not None:  # refused (or its adapter could not load): its followers run on their own
                 seat.lead.release()
             raise
         # a cached answer is the requested tier's, even while it is down

@@ -12,7 +12,6 @@ import torch
 from core.settings import Settings, TierSettings
 from engines.async_engine import AsyncEngine
 from engines.checkpoints.fetch import FetchError, fetch_model, is_fetched
-from engines.checkpoints.fetch import model_dir as registry_model_dir
 from engines.checkpoints.loader import load_model
 from engines.checkpoints.quantized import is_quantized_dir
 from engines.engine import Engine, EngineConfig
@@ -113,9 +112,7 @@ def load_remote(settings: Settings, name: str, tier: TierSettings) -> RemoteEngi
         breaker_cooldown_s=tier.breaker_cooldown_s,
         prompt_format=tier.prompt_format,
     )
-    model_dir = (
-        registry_model_dir(settings.home_dir, tier.model) if tier.is_registry_model else settings.model_dir(tier)
-    )
+    model_dir = settings.float_dir(tier)
     engine = RemoteEngine.from_dir(model_dir.expanduser(), config, name=name, max_model_len=tier.max_model_len)
     log.info("tier %s: remote %s at %s, tokenized as %s", name, config.model, config.url, tier.model)
     return engine
