@@ -93,8 +93,9 @@ def lora_batch(batch: LoraBatch | None) -> Iterator[None]:
 @dataclass(frozen=True)
 class _Served:
     """One adapter on one layer as the deltas compute it. On a CPU with our kernels (`native`): A (rank × in) and
-    per part (first output row, first column of t = x·Aᵀ, rank, Bᵀ as rank × rows), in fp32, for
-    `engines.kernels.cpu_ops.lora_add`; elsewhere A and the parts' B as `_pack` leaves them for `_product`."""
+    per part (first output row, first column of t = x·Aᵀ, rank, Bᵀ as rank × rows), in the dtype they were loaded
+    in (bf16 or fp32), for `engines.kernels.cpu_ops.lora_add`; elsewhere fp32 A and B as `_pack` leaves them for
+    `_product`."""
 
     a: torch.Tensor
     parts: tuple[tuple[int, int, int, torch.Tensor], ...]
