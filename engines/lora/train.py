@@ -222,7 +222,7 @@ class _Run:
         for i in batch:
             loss = _loss(self.model, self.examples[i], config.max_tokens, config.top_weight) / len(batch)
             loss.backward()
-            total += float(loss)
+            total += float(loss.detach())  # a plain number: the graph is spent
         self.optimizer.step()
         state["step"] += 1
         state["history"].append({"step": state["step"], "loss": round(total, 5)})
