@@ -6,6 +6,7 @@ from the environment use `__`, e.g. `SWITCHBOARD_TIERS__SMALL__DTYPE=fp32`.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Literal
@@ -182,6 +183,9 @@ class Settings(BaseSettings):
     tuning_check_seconds: float = Field(
         3600.0, ge=0.0, description="how often tenants' tuning schedules are checked for a due run; 0: never"
     )
+    distill_check_seconds: float = Field(
+        3600.0, ge=0.0, description="how often tenants' distill schedules are checked for a due run; 0: never"
+    )
 
     @model_validator(mode="after")
     def _tiers(self) -> Settings:
@@ -242,6 +246,27 @@ class Settings(BaseSettings):
     @property
     def max_threads(self) -> int:
         return max((t.threads or os.cpu_count() or 1) for t in self.tiers.values())
+
+
+def settings_environment(settings: Settings) -> dict[str, str]:
+    """`SWITCHBOARD_*` variables from which a child process's `Settings()` is these settings (with its
+    `SWITCHBOARD_CONFIG` pointing nowhere, so no TOML file adds to them): how the gateway hands its own settings to
+    a command it runs. Secrets are passed in the clear: the environment of one's own child."""
+
+    def plain(value: object) -> object:
+        if isinstance(value, SecretStr):
+            return value.get_secret_value()
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items() if v is not None}
+        if isinstance(value, list | tuple):
+            return [plain(v) for v in value]
+        return str(value) if isinstance(value, Path) else value
+
+    out = {}
+    for name, value in settings.model_dump(mode="python", exclude_none=True).items():
+        value = plain(value)
+        out[f"SWITCHBOARD_{name.upper()}"] = value if isinstance(value, str) else json.dumps(value)
+    return out
 
 
 def _check_remote(name: str, tier: TierSettings, tiers: dict[str, TierSettings]) -> None:

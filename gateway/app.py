@@ -22,6 +22,7 @@ from gateway.accounting.ledger import Ledger, spool_path
 from gateway.accounting.metrics import Metrics
 from gateway.accounting.tenants import use_key_secret
 from gateway.adapters import AdapterStore
+from gateway.adapters.schedule import DistillSchedule
 from gateway.api import adapters as adapters_api
 from gateway.api import admin, embeddings, finance, health, models
 from gateway.api import metrics as metrics_api
@@ -130,7 +131,7 @@ def _lifespan(engines: Mapping[str, TierEngine] | None, database: Database | Non
         config = app_config(app)
         running = await _start(config, engines, database)
         set_services(app, running.services)
-        schedule = _schedule(config.settings, running.services.tuning)
+        schedules = _schedules(config.settings, running.services)
         # Everything loaded so far (models, tokenizers, the ORM, jinja) lives as long as the process: keep it
         # out of the collector's scans. A full collection walked all of it, stalling every request in
         # flight for up to ~0.2 s (the p99 of cache hits); requests' own garbage is collected as before.
@@ -139,7 +140,7 @@ def _lifespan(engines: Mapping[str, TierEngine] | None, database: Database | Non
         try:
             yield
         finally:
-            await _stop(running, schedule, own_engines=engines is None, own_database=database is None)
+            await _stop(running, schedules, own_engines=engines is None, own_database=database is None)
 
     return lifespan
 
@@ -204,18 +205,22 @@ def _start_engines(settings: Settings, engines: Mapping[str, TierEngine] | None)
     return running
 
 
-def _schedule(settings: Settings, tuning: TuningSchedule) -> asyncio.Task[None] | None:
-    """The policy-tuning schedule's task, unless `tuning_check_seconds` turns it off."""
+def _schedules(settings: Settings, services: Services) -> list[asyncio.Task[None]]:
+    """The policy-tuning and distill schedules' tasks, unless their `*_check_seconds` turn them off."""
+    tasks = []
     if settings.tuning_check_seconds > 0:
-        return asyncio.create_task(tuning.run_forever(settings.tuning_check_seconds))
-    return None
+        tasks.append(asyncio.create_task(services.tuning.run_forever(settings.tuning_check_seconds)))
+    if settings.distill_check_seconds > 0:
+        distill = DistillSchedule(settings, services.db, services.policies)
+        tasks.append(asyncio.create_task(distill.run_forever(settings.distill_check_seconds)))
+    return tasks
 
 
 async def _stop(
-    running: _Running, schedule: asyncio.Task[None] | None, *, own_engines: bool, own_database: bool
+    running: _Running, schedules: list[asyncio.Task[None]], *, own_engines: bool, own_database: bool
 ) -> None:
-    """Shut down in order: the schedule, routing's shadow runs, then engines, ledger, counters, caches, database."""
-    if schedule is not None:
+    """Shut down in order: the schedules, routing's shadow runs, then engines, ledger, counters, caches, database."""
+    for schedule in schedules:
         schedule.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await schedule

@@ -231,6 +231,20 @@ class LoggingSettings(_Strict):
     )
 
 
+AdapterName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")]  # as gateway.adapters registers them
+
+
+class DistillSettings(_Strict):
+    """`switchboard distill` on a schedule (`gateway.adapters.schedule`; by hand: the command): a run once the
+    period has passed since the last one began and the tenant has stored `min_new_prompts` prompts since; it
+    deploys only an adapter its held-out gate passes. Needs `router.store_prompts`: it trains on them."""
+
+    schedule: Literal["off", "daily", "weekly"] = "off"
+    name: AdapterName = Field("distilled", description="the adapter it trains and deploys (requests: small:NAME)")
+    min_new_prompts: int = Field(200, ge=10, le=100_000, description="prompts stored since the last run, at least")
+    epochs: int = Field(2, ge=1, le=10)
+
+
 class TuningSettings(_Strict):
     """Policy tuning on a schedule (`switchboard policy tune` by hand): each run stores a proposal for an
     admin to apply or reject; it applies itself only if the tenant opted in with `auto_apply`."""
@@ -283,7 +297,6 @@ DEFAULT_PRICES = {
 
 
 ModelName = Annotated[str, Field(min_length=1, max_length=100)]
-AdapterName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")]  # as gateway.adapters registers them
 Problem = tuple[tuple[str | int, ...], str]  # a field's path and what is wrong with it
 
 
@@ -296,6 +309,7 @@ class Policy(_Strict):
     rate_limits: RateLimits = Field(default_factory=RateLimits)
     logging: LoggingSettings = Field(default_factory=LoggingSettings)
     tuning: TuningSettings = Field(default_factory=TuningSettings)
+    distill: DistillSettings = Field(default_factory=DistillSettings)
     budgets: list[Budget] = Field(default_factory=list, max_length=8)
     prices: dict[str, TierPrice] = Field(default_factory=lambda: dict(DEFAULT_PRICES))
     counterfactual_tier: str = Field("large", description="what every request is compared against")
@@ -347,6 +361,8 @@ class Policy(_Strict):
                 raise ValueError(f"allowed tiers without a price: {', '.join(missing)}")
         if self.counterfactual_tier not in self.prices:
             raise ValueError(f"counterfactual_tier {self.counterfactual_tier!r} has no price")
+        if self.distill.schedule != "off" and not self.router.store_prompts:
+            raise ValueError("distill.schedule needs router.store_prompts: a run trains on the stored prompts")
         return self
 
     def allows(self, tier: str) -> bool:

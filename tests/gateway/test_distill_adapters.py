@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
+import anyio
 import pytest
 import torch
+from pydantic import ValidationError
 
 from core.db.database import Database
 from core.settings import Settings
@@ -22,6 +25,7 @@ from engines.lora.train import TrainConfig
 from gateway.accounting.tenants import create_tenant, tenant_by_name
 from gateway.adapters import AdapterStore
 from gateway.adapters.distill import DistillError, agrees, distill
+from gateway.adapters.schedule import DistillSchedule, ScheduledRun
 from policies.policy import Policy
 from policies.store import PolicyStore
 from router_model.routed_prompts import RoutedPromptStore
@@ -127,3 +131,43 @@ def test_agreement_reads_final_numbers_then_text() -> None:
     assert agrees(ask, "So the total is 42.", "The answer is 42")
     assert not agrees(ask, "The answer is 41", "The answer is 42")
     assert agrees(ask, "Paris,  the capital", "paris, the capital") and not agrees(ask, "Lyon", "Paris")
+
+
+def test_a_distill_schedule_runs_the_command_when_due_and_again_only_after_its_period_and_new_prompts(
+    tmp_path: Path, tiers: dict[str, Path]
+) -> None:
+    settings, db = setup(tmp_path, tiers["student"], tiers["teacher"])
+    acme = tenant_by_name(db, "acme")
+    assert acme is not None
+    policies = PolicyStore(db)
+    body = policies.current(acme.id).policy.model_dump(mode="json")
+    body["distill"] = {"schedule": "daily", "name": "nightly", "min_new_prompts": 20, "epochs": 3}
+    policies.save(acme.id, Policy.model_validate(body), "test")
+    training = ["--rank", "4", "--learning-rate", "3e-3", "--max-tokens", "4"]
+    schedule = DistillSchedule(settings, db, policies, training)
+    assert [(t, name) for t, name, _ in schedule.due()] == [(acme.id, "acme")]  # `other` has no schedule
+    assert anyio.run(schedule.run_due) == [0]  # the command, in a child process, on the gateway's settings
+    (record,) = AdapterStore(db, settings.home_dir).list(acme.id)
+    assert (record.model, record.source, record.details["adapter_agreement"]) == ("small:nightly", "distilled", 1.0)
+    assert policies.current(acme.id).policy.adapters == {"small": "nightly"}
+    assert '"deployed": true' in (schedule.folder(acme.id) / "nightly.log").read_text()
+    state = schedule.state(acme.id, "nightly")
+    assert state is not None and state.returncode == 0 and state.finished is not None
+    assert schedule.due() == []  # within its period
+    later = time.time() + 2 * 86_400
+    assert schedule.due(later) == []  # a day later, but no new prompts
+    prompts = RoutedPromptStore(db)
+    for i in range(20):
+        prompts.add(acme.id, f"new-{i}", [{"role": "user", "content": f"Name a famous river, {i}."}], 0.5, "large")
+    assert [t for t, _, _ in schedule.due(later)] == [acme.id]
+    schedule._save(acme.id, "nightly", ScheduledRun(started=time.time(), newest_prompt=0))  # cut short
+    assert [t for t, _, _ in schedule.due()] == [acme.id]  # resumed at the next check, whatever the period
+
+
+def test_a_distill_schedule_needs_stored_prompts() -> None:
+    body = Policy().model_dump(mode="json")
+    body["distill"] = {"schedule": "weekly"}
+    with pytest.raises(ValidationError, match=r"needs router\.store_prompts"):
+        Policy.model_validate(body)
+    body["router"]["store_prompts"] = True
+    assert Policy.model_validate(body).distill.schedule == "weekly"
