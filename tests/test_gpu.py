@@ -192,3 +192,36 @@ def test_logprobs_and_logit_bias_on_the_gpu_match_the_cpu(tiny_dir: Path) -> Non
                             logit_bias=((want[0][0], -100.0),))  # fmt: skip
     biased_cpu, biased_gpu = _logprob_run(cpu, banned), _logprob_run(gpu, banned)
     assert biased_gpu[0] == biased_cpu[0] and biased_gpu[0][0] != want[0][0]
+
+
+@cuda
+@pytest.mark.parametrize("weights", [None, "int8"])
+def test_adapters_on_the_gpu_take_the_triton_kernels_and_serve_each_sequence_its_cpu_tokens(
+    tmp_path: Path, weights: str | None
+) -> None:
+    """Two LoRA adapters and the bare base in one batch on CUDA (the Triton shrink/expand): each sequence's greedy
+    tokens are its own served alone on the GPU, and in fp32 the CPU engine's too (int8 runs other matmul kernels
+    on the two devices: their last bits differ)."""
+    from lora_adapters import make_adapter
+
+    base = tiny_hf_model("qwen2", tmp_path / "qwen2", tie_word_embeddings=False)
+    adapters = {name: make_adapter(base, tmp_path / name, seed) for seed, name in enumerate(("a", "b"), 1)}
+    dtype = "fp32" if weights is None else "bf16"
+    engines = {device: Engine.from_dir(base, dtype=dtype, weights=weights, device=device) for device in ("cpu", "cuda")}
+    for engine in engines.values():
+        for name, path in adapters.items():
+            engine.load_adapter(name, path)
+    prompts = [list(range(5, 25)), list(range(40, 47)), list(range(100, 133))]
+    asks = [(f"p{i}-{n}", ids, n) for i, ids in enumerate(prompts) for n in ("a", "b", None)]
+
+    def greedy(engine: Engine, part: list) -> dict[str, str]:
+        requests = [EngineRequest(rid, ids, SamplingParams(max_tokens=8, temperature=0.0), adapter=n)
+                    for rid, ids, n in part]  # fmt: skip
+        return {c.request_id: c.text for c in complete_all(engine, requests)}
+
+    together = greedy(engines["cuda"], asks)
+    assert len(together) == len(asks) and len({together[f"p0-{n}"] for n in ("a", "b", None)}) == 3
+    if weights is None:
+        assert together == greedy(engines["cpu"], asks)
+    for ask in asks:
+        assert greedy(engines["cuda"], [ask])[ask[0]] == together[ask[0]], ask[0]

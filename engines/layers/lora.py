@@ -17,6 +17,10 @@ choice (measured: stacking every adapter's A side by side did exactly that on Sm
 The step's grouping (`LoraBatch`: its adapters and each one's flat rows) is set by the model runner around one
 forward (`lora_batch`) and read by every `Linear` that holds adapters; outside a forward, or in a step without
 adapters, nothing is added.
+
+Where: our C++ kernel on a CPU that has the library (`cpu_ops.lora_add`); the Triton kernels where the device's
+backend is Triton (a CUDA GPU: `engines.kernels.triton_lora`, every adapter of the step in two launches, each row
+reading its own adapter's stacked weights); torch's grouped products elsewhere.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from engines.kernels import cpu_kernels, cpu_ops
+from engines.kernels.backends import backend_for
 
 __all__ = ["LayerAdapters", "LoraBatch", "LoraPart", "LoraWeights", "active_batch", "lora_batch"]
 
@@ -139,6 +144,7 @@ class LayerAdapters:
         self.weights: dict[str, LoraWeights] = {}
         self._served: dict[str, _Served] = {}
         self._plans: OrderedDict[tuple[str, ...], cpu_ops.LoraPlan] = OrderedDict()
+        self._stacks: OrderedDict[tuple[str, ...], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
 
     def __bool__(self) -> bool:
         return bool(self.weights)
@@ -162,17 +168,28 @@ class LayerAdapters:
         a = weights.a.to(dtype).contiguous() if native else _pack(weights.a.to(dtype))
         self._served[name] = _Served(a, tuple(parts), dtype, native)
         self._plans.clear()
+        self._stacks.clear()
 
     def drop(self, name: str) -> None:
         self.weights.pop(name, None)
         self._served.pop(name, None)
         self._plans.clear()
+        self._stacks.clear()
 
     def add(self, x: torch.Tensor, out: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
         """`out` (the base product of `x`) with each row's adapter's delta added, where this layer holds it."""
         here = [(name, rows) for name, rows in zip(batch.names, batch.rows, strict=True)
                 if name in self._served and rows.numel()]  # fmt: skip
         if not here:
+            return out
+        if backend_for(x).name == "triton":
+            from engines.kernels import triton_lora
+
+            names = tuple(name for name, _ in here)
+            slots = torch.full((x.shape[0],), -1, dtype=torch.int32, device=x.device)
+            for slot, (_, rows) in enumerate(here):
+                slots[rows] = slot
+            triton_lora.lora_add(x, out, *self.stacked(names, out.shape[1]), slots)
             return out
         if self.native_for(batch) and x.dtype in (torch.bfloat16, torch.float32) and out.dtype == x.dtype:
             x, out = x.contiguous(), out.contiguous()
@@ -188,6 +205,30 @@ class LayerAdapters:
                 part = out[:, row : row + b.shape[0]]
                 part.index_add_(0, rows, (delta[:1] if lone else delta).to(out.dtype))
         return out
+
+    def stacked(self, names: tuple[str, ...], out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The Triton kernels' weights for adapters `names` (all held here), slot i = names[i]: A (slots, R, in)
+        and B (slots, out, R), R the widest adapter's rank sum, each part's B in its own output rows and columns of
+        t = x·Aᵀ, zeros elsewhere (they add exactly nothing)."""
+        stack = self._stacks.get(names)
+        if stack is None:
+            weights = [self.weights[n] for n in names]
+            first = weights[0].a
+            width = max(w.a.shape[0] for w in weights)
+            a = torch.zeros(len(names), width, first.shape[1], dtype=first.dtype, device=first.device)
+            b = torch.zeros(len(names), out_features, width, dtype=first.dtype, device=first.device)
+            for slot, w in enumerate(weights):
+                a[slot, : w.a.shape[0]] = w.a
+                col = 0
+                for part in w.parts:
+                    rows, rank = part.b.shape
+                    b[slot, part.row : part.row + rows, col : col + rank] = part.b.to(first.dtype)
+                    col += rank
+            stack = self._stacks[names] = (a, b)
+            while len(self._stacks) > _KEPT_PLANS:
+                self._stacks.popitem(last=False)
+        self._stacks.move_to_end(names)
+        return stack
 
     def native_for(self, batch: LoraBatch) -> bool:
         """Whether our kernel computes this layer's deltas for `batch` (every adapter it holds served for it)."""
