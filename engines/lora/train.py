@@ -135,13 +135,15 @@ def train_adapter(
     say: Callable[[str], None] = print,
     say_every: int = 5,
     stop_after_steps: int | None = None,
+    replace_other: bool = False,
 ) -> TrainResult:
     """Train (or resume training) an adapter on the checkpoint at `base_dir`; the best epoch's adapter is left
     in `out/adapter`. `stop_after_steps`: return after that many steps of this run (a test's stand-in for a
-    killed process; the checkpoint is where a resumed run continues)."""
+    killed process; the checkpoint is where a resumed run continues). A checkpoint in `out` of another run (other
+    examples or settings) is an error, or with `replace_other` discarded: this run starts from step 0."""
     if not examples:
         raise ValueError("no training examples")
-    run = _Run(base_dir, examples, heldout, out, config, say)
+    run = _Run(base_dir, examples, heldout, out, config, say, replace_other)
     started, ran, seen, running = time.monotonic(), 0, 0, 0.0
     while run.state["step"] < run.total_steps and run.state["bad_epochs"] < config.patience:
         step_loss, taken = run.step()
@@ -173,6 +175,7 @@ class _Run:
         out: Path,
         config: TrainConfig,
         say: Callable[[str], None],
+        replace_other: bool = False,
     ) -> None:
         import peft
         from peft.utils import set_peft_model_state_dict
@@ -194,11 +197,14 @@ class _Run:
         self.state: dict = {"step": 0, "heldout": [], "best": None, "best_epoch": -1, "bad_epochs": 0,
                             "history": [], "base_heldout": None}  # fmt: skip
         self.checkpoint = out / CHECKPOINT
-        if self.checkpoint.exists():
-            saved = torch.load(self.checkpoint, weights_only=False)
-            if saved["digest"] != self.digest:
+        saved = torch.load(self.checkpoint, weights_only=False) if self.checkpoint.exists() else None
+        if saved is not None and saved["digest"] != self.digest:
+            if not replace_other:
                 raise ValueError(f"{self.checkpoint} is another run's (other data or settings): use another folder "
                                  "or delete it")  # fmt: skip
+            say(f"{self.checkpoint} is another run's (other data or settings): starting afresh")
+            saved = None
+        if saved is not None:
             set_peft_model_state_dict(self.model, saved["lora"])
             self.optimizer.load_state_dict(saved["optimizer"])
             self.state = saved["state"]

@@ -9,11 +9,12 @@ tenant's stored prompts, deployed only if it agrees with the large tier more oft
    each answer token (`top_k`, 8: logit distillation; the engine computes them while choosing). An answer the
    gateway's own checks reject is left out and counted: a code prompt whose own examples the answer fails
    (`grading.examples`, in the jail). The answers are kept in the work folder as they come, so a stopped run
-   does not ask again.
+   does not ask again (an answer asked of another teacher, or with another limit, is asked again).
 3. **Split** by a hash of each conversation: `heldout_share` of them decide when training stops and whether the
    adapter is deployed, and are never trained on.
 4. **Train** (`engines.lora.train`) on the small tier's float checkpoint, resumable in the work folder
-   (`$SWITCHBOARD_HOME/distill/t<tenant>/<name>/`).
+   (`$SWITCHBOARD_HOME/distill/t<tenant>/<name>/`); a checkpoint there of other examples or settings (an
+   earlier run's) is replaced: training starts afresh.
 5. **Gate**: the small tier as served (its weights format), with and without the adapter, answers the held-out
    prompts greedily; an answer agrees with the teacher's when their final numbers match, or, for a code prompt
    with examples, when it passes them too, or else when the texts match. Deployed only if the adapter agrees on
@@ -160,7 +161,8 @@ def distill(
         f"{report.data['rejected']} rejected answers, {report.data['skipped']} tool-loop prompts left out")  # fmt: skip
     started = time.monotonic()
     result = train_adapter(settings.float_dir(settings.tiers[small]), [Example(p, a, top) for _, p, a, _, top in train],
-                           [Example(p, a) for _, p, a, _, _ in heldout], work / "train", config, say=say)  # fmt: skip
+                           [Example(p, a) for _, p, a, _, _ in heldout], work / "train", config, say=say,
+                           replace_other=True)  # fmt: skip
     seconds = time.monotonic() - started
     pace = seconds / max(1, (result.steps - result.resumed_from) * config.accumulate) * 1000
     report.training = {"train_seconds": round(seconds, 1), "seconds_per_1000_examples": round(pace, 1),
@@ -220,7 +222,9 @@ def _examples(
     if len(plain) < 10:
         raise DistillError(f"{len(plain)} stored text prompts; at least 10 are needed")
     teacher = load(settings, large)
-    answers = _teacher_answers(teacher, plain, work / "teacher.jsonl", limits, say)
+    tier = settings.tiers[large]
+    asked = {"teacher": f"{settings.model_dir(tier).name}/{tier.dtype}", "max_tokens": limits[0], "top_k": limits[1]}
+    answers = _teacher_answers(teacher, plain, work / "teacher.jsonl", asked, say)
     kept: list[Kept] = []
     for conversation in plain:
         ids, text, top = answers[_key(conversation)]
@@ -251,28 +255,31 @@ def _gate(student: Engine, adapter: LoraAdapter, heldout: list[Kept], max_tokens
 
 
 def _teacher_answers(
-    engine: Engine, conversations: list[list[dict]], path: Path, limits: tuple[int, int], say: Callable[[str], None]
+    engine: Engine, conversations: list[list[dict]], path: Path, asked: dict[str, Any], say: Callable[[str], None]
 ) -> dict[str, tuple[list[int], str, tuple[Top, ...]]]:
     """conversation key → (answer ids, text, top-k per position), asked in batches of 16 and appended to `path` as
-    they come. `limits`: (max tokens, top-k)."""
+    they come. `asked`: the teacher (its checkpoint and dtype), max tokens and top-k; an answer kept from a run
+    that asked otherwise (another teacher, a shorter limit) is asked again."""
     done: dict[str, tuple[list[int], str, tuple[Top, ...]]] = {}
     if path.exists():
         for line in path.read_text().splitlines():
             row = json.loads(line)
-            done[row["key"]] = (row["ids"], row["text"], tuple((tuple(i), tuple(v)) for i, v in row["top"]))
+            if row.get("asked") == asked:
+                done[row["key"]] = (row["ids"], row["text"], tuple((tuple(i), tuple(v)) for i, v in row["top"]))
     todo = [c for c in conversations if _key(c) not in done]
-    if done:
-        say(f"  {len(done)} teacher answers kept from before, {len(todo)} to ask")
+    if len(todo) < len(conversations):
+        say(f"  {len(conversations) - len(todo)} teacher answers kept from before, {len(todo)} to ask")
     started = time.monotonic()
     with path.open("a") as out:
         for i in range(0, len(todo), 16):
             batch = todo[i : i + 16]
-            max_tokens, top_k = limits
-            answers = _greedy(engine, [engine.tokenizer.encode_chat(c) for c in batch], max_tokens, top_k=top_k)
+            prompts = [engine.tokenizer.encode_chat(c) for c in batch]
+            answers = _greedy(engine, prompts, asked["max_tokens"], top_k=asked["top_k"])
             for conversation, (answer, top) in zip(batch, answers, strict=True):
                 text = engine.tokenizer.decode(answer)
                 done[_key(conversation)] = (answer, text, tuple(top))
-                out.write(json.dumps({"key": _key(conversation), "ids": answer, "text": text, "top": top}) + "\n")
+                row = {"key": _key(conversation), "asked": asked, "ids": answer, "text": text, "top": top}
+                out.write(json.dumps(row) + "\n")
             out.flush()
             say(f"  teacher: {min(i + 16, len(todo))}/{len(todo)} answers, {time.monotonic() - started:.0f} s")
     return done

@@ -110,6 +110,14 @@ def test_a_tenants_distilled_adapter_learns_the_teachers_answers_and_is_deployed
                     say=said.append, deploy=False)  # fmt: skip
     assert any("30 teacher answers kept from before, 0 to ask" in line for line in said)
     assert again.adapter_agreement == 1.0
+    # Asked otherwise (a shorter limit): every answer is asked again, and the checkpoint trained on the other
+    # answers is replaced, not resumed (it was an error, and a bench's second run failed on its first's folder).
+    said.clear()
+    third = distill(settings, db, acme.id, "acme", name="geo", limit=100, max_tokens=3, config=config,
+                    say=said.append, deploy=False)  # fmt: skip
+    assert not any("kept from before" in line for line in said)
+    assert any("another run's" in line and "starting afresh" in line for line in said)
+    assert third.adapter_agreement == 1.0 and third.training["epochs"] >= 1
     with pytest.raises(DistillError, match="keeps no prompts"):
         distill(settings, db, other.id, "other", config=config, say=said.append)
 
