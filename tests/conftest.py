@@ -38,6 +38,12 @@ os.environ["SWITCHBOARD_ROUTER_AUTO_TRAIN"] = "false"
 # rows and engine steps must not depend on that draw. Tests of it turn it on (tests/router/test_router_gateway.py).
 os.environ["SWITCHBOARD_SHADOW_RUNS"] = "false"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The Triton kernel tests run under the interpreter (tests/triton_support.py), which `triton.jit` reads as it
+# decorates, Triton's own `tl.sum` and the rest of its library included, at `import triton`. Some test modules
+# import Triton through peft/transformers before any kernel test module is collected, and the kernels then failed
+# ("Cannot call @triton.jit'd outside of the scope of a kernel"): so it is set here, first. Compiled runs are
+# tests/test_gpu.py's (--noconftest) and `triton_support.on_gpu`'s child processes.
+os.environ["TRITON_INTERPRET"] = "1"
 
 MODELS_HOME = Path(os.environ.get("SWITCHBOARD_HOME", "~/.cache/switchboard")).expanduser()
 
