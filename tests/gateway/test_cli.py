@@ -154,3 +154,24 @@ def test_models_list_and_bad_settings(home_env: dict[str, str], tmp_path: Path) 
     (tmp_path / "switchboard.toml").write_text('[tiers.small]\ndtype = "int3"\n')
     bad = cli(home_env, "db", "upgrade")
     assert bad.returncode == 1 and "invalid settings" in bad.stderr and "dtype" in bad.stderr
+
+
+def test_a_child_process_loads_the_gateways_own_settings_from_its_environment(tmp_path: Path) -> None:
+    """`settings_environment` (how the distill schedule hands its settings to `switchboard distill`): a child's
+    `Settings()` equals them, secrets, nested tiers and aliases included, whatever the parent's environment held."""
+    from core.settings import Settings, settings_environment
+
+    settings = Settings(home=tmp_path, database_url="sqlite:///x.db", key_secret="s3cret", port=0,
+                        tiers={"small": {"model": str(tmp_path / "m"), "dtype": "fp32", "max_num_seqs": 3},
+                               "large": {"model": str(tmp_path / "l"), "url": "http://127.0.0.1:9/v1",
+                                         "api_key": "k"}},
+                        model_aliases={"gpt-4o-mini": "small"}, tuning_check_seconds=0)  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHBOARD_")} | settings_environment(settings)
+    env |= {"SWITCHBOARD_CONFIG": str(tmp_path / "none.toml"), "PYTHONPATH": os.getcwd()}
+    code = ("import json; from core.settings import Settings, settings_environment as e; s = Settings(); "
+            "print(json.dumps([e(s), s.key_secret.get_secret_value(), s.tiers['large'].api_key.get_secret_value(), "
+            "s.tiers['small'].max_num_seqs, s.model_aliases]))")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    child_env, secret, api_key, seqs, aliases = json.loads(done.stdout)
+    assert child_env == settings_environment(settings)  # every field, the secrets in the clear
+    assert (secret, api_key, seqs, aliases) == ("s3cret", "k", 3, {"gpt-4o-mini": "small"})
