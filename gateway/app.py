@@ -46,6 +46,7 @@ from gateway.pipeline import Pipeline
 from gateway.pipeline.embeddings import Embeddings
 from gateway.routing.bootstrap import RouterBootstrap, start_bootstrap
 from gateway.routing.stage import RoutingStage
+from gateway.runtime.periodic import every
 from gateway.runtime.tuning import TuningSchedule
 from grading.sandbox import jail_status
 from policies.budgets import Budgets
@@ -209,10 +210,12 @@ def _schedules(settings: Settings, services: Services) -> list[asyncio.Task[None
     """The policy-tuning and distill schedules' tasks, unless their `*_check_seconds` turn them off."""
     tasks = []
     if settings.tuning_check_seconds > 0:
-        tasks.append(asyncio.create_task(services.tuning.run_forever(settings.tuning_check_seconds)))
+        checks = every(settings.tuning_check_seconds, services.tuning.run_due, "checking the tuning schedules")
+        tasks.append(asyncio.create_task(checks))
     if settings.distill_check_seconds > 0:
         distill = DistillSchedule(settings, services.db, services.policies)
-        tasks.append(asyncio.create_task(distill.run_forever(settings.distill_check_seconds)))
+        checks = every(settings.distill_check_seconds, distill.run_due, "checking the distill schedules")
+        tasks.append(asyncio.create_task(checks))
     return tasks
 
 

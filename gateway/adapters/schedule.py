@@ -1,11 +1,12 @@
 """`switchboard distill` on each tenant's schedule (`distill` in its policy; by hand: the command).
 
-Every `distill_check_seconds` the gateway looks for due tenants: a schedule on, the period (a day, a week) passed
-since their last scheduled run began, and at least `min_new_prompts` prompts stored since that run read them (all
-of them count before the first run). A due tenant's run is the command itself in a child process, with the
-gateway's own settings (`core.settings.settings_environment`), at the lowest CPU priority (nice 19: live traffic
-first) and in its own memory, freed when it ends; one run at a time per gateway; what it prints goes to
-`<name>.log` beside its work folder. It deploys only an adapter its held-out gate passes, as the command does.
+Every `distill_check_seconds` (`gateway.runtime.periodic`) the gateway looks for due tenants: a schedule on, the
+period (a day, a week, as tuning's) passed since their last scheduled run began, and at least `min_new_prompts`
+prompts stored since that run read them (all of them count before the first run). A due tenant's run is the command
+itself in a child process, with the gateway's own settings (`core.settings.settings_environment`), at the lowest
+CPU priority (nice 19: live traffic first) and in its own memory, freed when it ends; one run at a time per gateway;
+what it prints goes to `<name>.log` beside its work folder. It deploys only an adapter its held-out gate passes, as
+the command does.
 
 A run starts from an empty work folder (new prompts, new teacher answers); one cut short (the gateway stopped
 during it) resumes where it was at the next check, whatever the period. Each tenant's state is
@@ -37,14 +38,14 @@ from sqlalchemy import func, select
 from core.db.database import Database
 from core.db.models import RoutedPrompt, Tenant
 from core.settings import Settings, settings_environment
+from gateway.runtime.tuning import PERIODS
 from policies.policy import DistillSettings
 from policies.store import PolicyStore
 
-__all__ = ["PERIODS", "DistillSchedule", "ScheduledRun"]
+__all__ = ["DistillSchedule", "ScheduledRun"]
 
 log = logging.getLogger(__name__)
 
-PERIODS = {"daily": 86_400.0, "weekly": 7 * 86_400.0}  # seconds
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -77,12 +78,15 @@ class DistillSchedule:
     def folder(self, tenant_id: int) -> Path:
         return self.settings.home_dir / "distill" / f"t{tenant_id}"
 
+    def _state_path(self, tenant_id: int, name: str) -> Path:
+        return self.folder(tenant_id) / f"{name}.schedule.json"
+
     def state(self, tenant_id: int, name: str) -> ScheduledRun | None:
-        path = self.folder(tenant_id) / f"{name}.schedule.json"
+        path = self._state_path(tenant_id, name)
         return ScheduledRun(**json.loads(path.read_text())) if path.exists() else None
 
     def _save(self, tenant_id: int, name: str, run: ScheduledRun) -> None:
-        path = self.folder(tenant_id) / f"{name}.schedule.json"
+        path = self._state_path(tenant_id, name)
         path.parent.mkdir(parents=True, exist_ok=True)
         part = path.with_suffix(".part")
         part.write_text(json.dumps(asdict(run)))
@@ -113,7 +117,7 @@ class DistillSchedule:
             if last is not None and last.finished is None:  # cut short: resume it now
                 out.append((tenant_id, name, settings))
                 continue
-            if last is not None and now - last.started < PERIODS[settings.schedule]:
+            if last is not None and now - last.started < PERIODS[settings.schedule].total_seconds():
                 continue
             new, _ = self._prompts(tenant_id, last.newest_prompt if last else 0)
             if new >= settings.min_new_prompts:
@@ -158,11 +162,3 @@ class DistillSchedule:
         for tenant_id, tenant, settings in await anyio.to_thread.run_sync(self.due, now):
             codes.append(await self.run(tenant_id, tenant, settings))
         return codes
-
-    async def run_forever(self, every: float) -> None:
-        while True:
-            await anyio.sleep(every)
-            try:
-                await self.run_due()
-            except Exception:  # the database may be down for a while: try again next time
-                log.exception("checking the distill schedules failed")

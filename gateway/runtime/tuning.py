@@ -111,11 +111,3 @@ class TuningSchedule:
             log.warning("tenant %d: tuning proposal %d not applied: %s", tenant_id, pid, exc)
             return
         log.info("tenant %d: tuning proposal %d applied as policy v%d (auto_apply)", tenant_id, pid, version)
-
-    async def run_forever(self, every: float) -> None:
-        while True:
-            await anyio.sleep(every)
-            try:
-                await self.run_due()
-            except Exception:  # the database may be down for a while: try again next time
-                log.exception("checking the tuning schedules failed")
