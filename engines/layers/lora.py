@@ -29,7 +29,7 @@ import contextlib
 import contextvars
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -65,6 +65,7 @@ class LoraBatch:
 
     names: tuple[str, ...]
     rows: tuple[torch.Tensor, ...]
+    _slots: dict[tuple[tuple[str, ...], int], torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, rows: Mapping[str, list[int]], device: torch.device | str = "cpu") -> LoraBatch:
@@ -76,6 +77,18 @@ class LoraBatch:
     def every_row(cls, name: str, count: int, device: torch.device | str = "cpu") -> LoraBatch:
         """All `count` rows under adapter `name`."""
         return cls((name,), (torch.arange(count, device=device),))
+
+    def slots(self, held: tuple[str, ...], count: int, device: torch.device) -> torch.Tensor:
+        """Each of the `count` flat rows' slot among `held` (the adapters of this batch a layer holds, slot i =
+        held[i]), -1 for the others (int32, for the Triton kernels): made once per step for every layer holding the
+        same adapters, not once per layer."""
+        got = self._slots.get((held, count))
+        if got is None:
+            got = torch.full((count,), -1, dtype=torch.int32, device=device)
+            for slot, name in enumerate(held):
+                got[self.rows[self.names.index(name)].to(device)] = slot
+            self._slots[(held, count)] = got
+        return got
 
 
 _active: contextvars.ContextVar[LoraBatch | None] = contextvars.ContextVar("lora_batch", default=None)
@@ -186,9 +199,7 @@ class LayerAdapters:
             from engines.kernels import triton_lora
 
             names = tuple(name for name, _ in here)
-            slots = torch.full((x.shape[0],), -1, dtype=torch.int32, device=x.device)
-            for slot, (_, rows) in enumerate(here):
-                slots[rows] = slot
+            slots = batch.slots(names, x.shape[0], x.device)
             triton_lora.lora_add(x, out, *self.stacked(names, out.shape[1]), slots)
             return out
         if self.native_for(batch) and x.dtype in (torch.bfloat16, torch.float32) and out.dtype == x.dtype:

@@ -116,6 +116,7 @@ def test_layer_adapters_on_the_triton_backend_match_the_cpus_path() -> None:
         backends.use("cpu", None)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(got[2], out[2]) and torch.equal(again, got)
+    assert list(batch._slots) == [(("all", "qv"), 6)]  # the rows' slots made once for the step, not per call
     assert not torch.allclose(got[[0, 1, 3, 4, 5]], out[[0, 1, 3, 4, 5]])
 
 
