@@ -155,7 +155,16 @@ def run_distill(home: Path, gw: Served, tenant: gateway.Tenant, args: argparse.N
     report = json.loads(done.stdout.strip().splitlines()[-1])
     report["distill_seconds"] = round(time.monotonic() - started, 1)
     if not report["deployed"]:
-        folder = next((home / "distill").glob(f"t*/{ADAPTER}/train/adapter"))
+        from core.db.database import Database
+        from gateway.accounting.tenants import tenant_by_name
+
+        db = Database(gw.db_url)
+        try:
+            found = tenant_by_name(db, tenant.name)
+        finally:
+            db.dispose()
+        assert found is not None
+        folder = home / "distill" / f"t{found.id}" / ADAPTER / "train" / "adapter"  # this tenant's, not any t*
         add = [sys.executable, "-m", "gateway.cli", "adapter", "add", tenant.name, "small", ADAPTER, str(folder)]
         subprocess.run(add, env=_cli_env(home, gw), check=True, stdout=subprocess.DEVNULL)
     (args.out / "distill.json").write_text(json.dumps(report, indent=2))
